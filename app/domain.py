@@ -1,0 +1,144 @@
+"""Core value types shared by the runner, the model adapters, the tools and the store."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Role(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETE = "complete"
+    MAX_ITERATIONS = "max_iterations"
+    STUCK = "stuck"
+    TOKEN_BUDGET_EXHAUSTED = "token_budget_exhausted"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+
+
+class SessionStatus(StrEnum):
+    IDLE = "idle"
+    RUNNING = "running"
+    NEEDS_RESUME = "needs_resume"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One `tool_use` the model asked for."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def as_json(self) -> dict[str, Any]:
+        """The stored / API shape: {id, name, arguments}."""
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What one tool call produced; `content` is JSON text, `is_error` marks failures."""
+
+    tool_call_id: str
+    tool_name: str
+    content: str
+    is_error: bool = False
+
+    @classmethod
+    def ok(cls, call: ToolCall, value: Any) -> ToolResult:
+        """A successful result; `value` must be JSON-serialisable."""
+        return cls(call.id, call.name, json.dumps(value, separators=(",", ":")), False)
+
+    @classmethod
+    def error(cls, call: ToolCall, message: str) -> ToolResult:
+        """An error result the model can read: {"error": message}."""
+        return cls(call.id, call.name, json.dumps({"error": message}), True)
+
+
+def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
+    """The result stored for an orphaned call that is not safe to retry (CONTRACT §2)."""
+    body = {
+        "error": (
+            f"Tool {tool_name!r} (call {tool_call_id}) was dispatched but the runner stopped "
+            "before its result was saved. It may or may not have taken effect; check before "
+            "repeating it."
+        ),
+        "kind": "tool-durability-error",
+        "toolName": tool_name,
+        "toolCallId": tool_call_id,
+    }
+    return ToolResult(tool_call_id, tool_name, json.dumps(body), True)
+
+
+@dataclass(slots=True)
+class Message:
+    """One history entry, in the order it was stored (`seq`)."""
+
+    role: Role
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    is_error: bool = False
+    seq: int | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def user(cls, text: str) -> Message:
+        """A user message."""
+        return cls(Role.USER, text)
+
+    @classmethod
+    def assistant(cls, text: str, tool_calls: list[ToolCall] | None = None) -> Message:
+        """An assistant message, optionally asking for tool calls."""
+        return cls(Role.ASSISTANT, text, list(tool_calls or []))
+
+    @classmethod
+    def tool(cls, result: ToolResult) -> Message:
+        """A tool-result message."""
+        return cls(
+            Role.TOOL,
+            result.content,
+            tool_call_id=result.tool_call_id,
+            tool_name=result.tool_name,
+            is_error=result.is_error,
+        )
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def add(self, other: Usage) -> None:
+        """Accumulate `other` into this."""
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+
+    @property
+    def total(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+def orphaned_calls(history: list[Message]) -> tuple[int, list[ToolCall]]:
+    """Index of the last assistant message with tool calls and its calls lacking a result.
+
+    Every durable write repairs before it appends, so orphans can only sit in the last
+    assistant message that asked for tools; (-1, []) when nothing waits.
+    """
+    for index in range(len(history) - 1, -1, -1):
+        message = history[index]
+        if message.role is Role.ASSISTANT and message.tool_calls:
+            answered = {m.tool_call_id for m in history[index + 1 :] if m.role is Role.TOOL}
+            missing = [c for c in message.tool_calls if c.id not in answered]
+            return (index, missing) if missing else (-1, [])
+    return -1, []

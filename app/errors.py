@@ -1,0 +1,132 @@
+"""Domain errors; each has a stable `code` and an HTTP status for api/problems.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AppError(Exception):
+    """Base of every error the API renders as problem+json."""
+
+    code = "internal_error"
+    status = 500
+    title = "Internal error"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers for this error."""
+        return {}
+
+
+class NotFound(AppError):
+    code = "not_found"
+    status = 404
+    title = "Not found"
+
+
+class AgentNotFound(NotFound):
+    code = "agent_not_found"
+    title = "Agent not found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"No agent named {name!r}.")
+
+
+class RunNotFound(NotFound):
+    code = "run_not_found"
+    title = "Run not found"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"No run with id {run_id!r}.")
+
+
+class SessionNotFound(NotFound):
+    code = "session_not_found"
+    title = "Session not found"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"No session with id {session_id!r}.")
+
+
+class SessionAccessDenied(AppError):
+    code = "session_access_denied"
+    status = 403
+    title = "Session access denied"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"Session {session_id!r} belongs to another user_id.")
+
+
+class SessionAgentMismatch(AppError):
+    code = "session_agent_mismatch"
+    status = 409
+    title = "Session bound to another agent"
+
+    def __init__(self, session_id: str, bound: str, requested: str) -> None:
+        super().__init__(
+            f"Session {session_id!r} is bound to agent {bound!r}, not {requested!r}.",
+            bound_agent=bound,
+        )
+
+
+class SessionBusy(AppError):
+    code = "session_busy"
+    status = 409
+    title = "Session busy"
+    retry_after_s = 1
+
+    def __init__(self, session_id: str, active_run_id: str | None) -> None:
+        super().__init__(
+            f"Session {session_id!r} has a run in progress; retry when it has finished.",
+            active_run_id=active_run_id,
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class SessionConflict(SessionBusy):
+    """Another writer changed the session under this run (detected at a durable write)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id, None)
+        self.detail = (
+            f"Session {session_id!r} was written by another run while this one was in progress; "
+            "this run stopped without writing further."
+        )
+
+
+class MemoryStoreNotDurable(AppError):
+    code = "memory_store_not_durable"
+    status = 409
+    title = "Memory store is not durable"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "DATABASE_URL=memory:// keeps nothing; a run with a session_id needs a durable store "
+            "(a SQLite file or PostgreSQL). Omit session_id for a stateless run."
+        )
+
+
+class ValidationFailed(AppError):
+    code = "validation_error"
+    status = 422
+    title = "Validation error"
+
+
+class DatabaseUnavailable(AppError):
+    code = "database_unavailable"
+    status = 503
+    title = "Database unavailable"
+    retry_after_s = 2
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ConfigError(Exception):
+    """The agents file or another configuration input is invalid (raised at start)."""

@@ -1,0 +1,1 @@
+"""Model clients: the LLMClient protocol, the Anthropic adapter and scripted offline models."""

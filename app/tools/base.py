@@ -1,0 +1,71 @@
+"""The tool interface the runner dispatches through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from app.llm.base import ToolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a handler knows about the call it serves.
+
+    `idempotency_key` is `<session_id or run_id>:<tool_call_id>`; HTTP tools send it as the
+    `Idempotency-Key` header so a downstream service can deduplicate on its side too.
+    """
+
+    session_id: str | None
+    run_id: str
+    tool_call_id: str
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{self.session_id or self.run_id}:{self.tool_call_id}"
+
+
+class ToolHandler(Protocol):
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        """Run the tool; return a JSON-serialisable value or raise ToolFailed / any Exception."""
+        ...
+
+
+class ToolFailed(Exception):
+    """A handler's expected failure; its message becomes the `{"error": ...}` result."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A configured tool: what the model sees plus how and whether it may be re-run."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    handler: ToolHandler
+    safe_to_retry: bool = False
+    parallel: bool = False
+    kind: str = "python"  # "python" or "http"
+    target: str = ""  # dotted path or URL, for display
+
+    @property
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.description, self.input_schema)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """One agent from the agents file."""
+
+    name: str
+    model: str
+    system: str | None = None
+    tools: tuple[str, ...] = ()
+    max_iterations: int = 20
+    stuck_threshold: int = 3
+    max_tool_concurrency: int = 5
+    token_budget: int | None = None
+    max_tokens: int = 4096
+    journal: str = "per_step"
+    description: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -91,6 +92,7 @@ class Message:
     is_error: bool = False
     seq: int | None = None
     run_id: str | None = None
+    created_at: datetime | None = None
 
     @classmethod
     def user(cls, text: str) -> Message:

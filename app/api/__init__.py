@@ -1,0 +1,1 @@
+"""HTTP layer: routes, dependencies, problem+json rendering."""

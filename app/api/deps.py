@@ -1,0 +1,60 @@
+"""Request dependencies: the services built by the lifespan, and the caller's tenant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.db.session import Database
+from app.services.runs import RunService
+from app.services.sessions import SessionService
+from app.tools.registry import ToolRegistry
+
+
+@dataclass
+class Services:
+    """What the lifespan builds once and every request shares."""
+
+    db: Database
+    registry: ToolRegistry
+    runs: RunService
+    sessions: SessionService
+    head_revision: str | None
+
+
+def get_services(request: Request) -> Services:
+    """The services of this app instance."""
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_run_service(services: ServicesDep) -> RunService:
+    """The run service."""
+    return services.runs
+
+
+def get_session_service(services: ServicesDep) -> SessionService:
+    """The session service."""
+    return services.sessions
+
+
+def get_registry(services: ServicesDep) -> ToolRegistry:
+    """The agents and tools."""
+    return services.registry
+
+
+def get_tenant(request: Request) -> str | None:
+    """The caller's tenant; None while API_KEYS is unset (a single-tenant service)."""
+    tenant: str | None = getattr(request.state, "tenant_id", None)
+    return tenant
+
+
+RunServiceDep = Annotated[RunService, Depends(get_run_service)]
+SessionServiceDep = Annotated[SessionService, Depends(get_session_service)]
+RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
+TenantDep = Annotated[str | None, Depends(get_tenant)]

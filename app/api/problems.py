@@ -1,0 +1,123 @@
+"""Every error as application/problem+json (RFC 9457) with a stable `code`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import AppError, DatabaseUnavailable
+from app.schemas.common import Problem
+
+log = logging.getLogger(__name__)
+
+PROBLEM_JSON = "application/problem+json"
+
+_HTTP_CODES = {
+    404: ("not_found", "Not found"),
+    405: ("method_not_allowed", "Method not allowed"),
+    413: ("payload_too_large", "Payload too large"),
+}
+
+
+def problem_response(
+    *,
+    status: int,
+    code: str,
+    title: str,
+    detail: str,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    """A problem+json response."""
+    body = Problem(
+        type=f"urn:agent-runner:problem:{code}",
+        title=title,
+        status=status,
+        detail=detail,
+        code=code,
+    ).model_dump()
+    body.update(extra)
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+
+
+async def _app_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, AppError)
+    return problem_response(
+        status=exc.status,
+        code=exc.code,
+        title=exc.title,
+        detail=exc.detail,
+        headers=exc.headers(),
+        **exc.extra,
+    )
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type"))}
+        for e in exc.errors()
+    ]
+    detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+    return problem_response(
+        status=422, code="validation_error", title="Validation error", detail=detail, errors=errors
+    )
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code, title = _HTTP_CODES.get(exc.status_code, ("http_error", "HTTP error"))
+    return problem_response(
+        status=exc.status_code,
+        code=code,
+        title=title,
+        detail=str(exc.detail),
+        headers=dict(exc.headers or {}),
+    )
+
+
+def _is_outage(exc: Exception) -> bool:
+    if isinstance(exc, DBAPIError):
+        return isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated
+    return True  # pool timeouts and socket errors on the way to the database
+
+
+async def _database_error(_: Request, exc: Exception) -> JSONResponse:
+    if not _is_outage(exc):
+        return await _unexpected(_, exc)
+    log.warning("database unavailable: %s", type(exc).__name__)
+    return await _app_error(_, DatabaseUnavailable("The database cannot be reached; retry later."))
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)
+    return problem_response(
+        status=500, code="internal_error", title="Internal error", detail="An unexpected error."
+    )
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on the app."""
+    app.add_exception_handler(AppError, _app_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(PoolTimeoutError, _database_error)
+    app.add_exception_handler(ConnectionError, _database_error)
+    app.add_exception_handler(TimeoutError, _database_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` documenting problem+json for the given statuses."""
+    return {
+        status: {"model": Problem, "content": {PROBLEM_JSON: {}}, "description": "A problem"}
+        for status in statuses
+    }

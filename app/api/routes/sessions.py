@@ -1,0 +1,75 @@
+"""Sessions, their history and runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+
+from app.api.deps import SessionServiceDep, TenantDep
+from app.api.problems import responses
+from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page
+from app.schemas.runs import SESSION_ID_PATTERN, MessageRead, RunSummary, SessionRead
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
+After = Annotated[str | None, Query(max_length=512)]
+
+
+@router.get("", responses=responses(401, 422, 503))
+async def list_sessions(
+    sessions: SessionServiceDep,
+    tenant: TenantDep,
+    agent: Annotated[str | None, Query(max_length=64)] = None,
+    user_id: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Limit = DEFAULT_PAGE,
+    after: After = None,
+) -> Page[SessionRead]:
+    """Sessions, most recently updated first."""
+    return await sessions.list(
+        tenant_id=tenant, agent=agent, user_id=user_id, after=after, limit=limit
+    )
+
+
+@router.get("/{session_id}", responses=responses(401, 404, 422, 503))
+async def get_session(
+    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep
+) -> SessionRead:
+    """One session and whether it is idle, running or waiting for a resume."""
+    return await sessions.get(session_id, tenant_id=tenant)
+
+
+@router.get("/{session_id}/messages", responses=responses(401, 404, 422, 503))
+async def list_messages(
+    session_id: SessionId,
+    sessions: SessionServiceDep,
+    tenant: TenantDep,
+    limit: Limit = DEFAULT_PAGE,
+    after: After = None,
+) -> Page[MessageRead]:
+    """The session's history in order."""
+    return await sessions.messages(session_id, tenant_id=tenant, after=after, limit=limit)
+
+
+@router.get("/{session_id}/runs", responses=responses(401, 404, 422, 503))
+async def list_session_runs(
+    session_id: SessionId,
+    sessions: SessionServiceDep,
+    tenant: TenantDep,
+    limit: Limit = DEFAULT_PAGE,
+    after: After = None,
+) -> Page[RunSummary]:
+    """The session's runs, newest first."""
+    return await sessions.runs(session_id, tenant_id=tenant, after=after, limit=limit)
+
+
+@router.delete(
+    "/{session_id}", status_code=204, response_class=Response, responses=responses(401, 404, 409)
+)
+async def delete_session(
+    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep
+) -> None:
+    """Delete the session, its runs and messages."""
+    await sessions.delete(session_id, tenant_id=tenant)

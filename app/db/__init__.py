@@ -1,0 +1,1 @@
+"""Persistence: ORM models, engine set-up and repositories."""

@@ -1,0 +1,86 @@
+"""Schema upgrades with alembic, safe when several replicas start at once."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.session import MEMORY_URL, async_url
+
+# pg_advisory_xact_lock key that serialises concurrent upgrades ("agentrun" in ASCII).
+MIGRATION_LOCK_KEY = 0x6167656E7472756E
+
+
+def migrations_dir() -> Path:
+    """The alembic scripts: beside the `app` package in a checkout, else ./migrations."""
+    beside = Path(__file__).resolve().parents[2] / "migrations"
+    return beside if (beside / "env.py").exists() else Path.cwd() / "migrations"
+
+
+def alembic_config(database_url: str) -> Config:
+    """An alembic Config for DATABASE_URL (no alembic.ini needed)."""
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes["database_url"] = async_url(database_url)
+    return config
+
+
+def head_revision() -> str | None:
+    """The newest migration."""
+    return ScriptDirectory.from_config(alembic_config(MEMORY_URL)).get_current_head()
+
+
+async def current_revision(conn: AsyncConnection) -> str | None:
+    """The revision the connected database is at, or None before the first migration."""
+    try:
+        return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+    except Exception:
+        return None
+
+
+@contextmanager
+def _file_lock(database_url: str) -> Iterator[None]:
+    """On SQLite, one upgrader at a time per database file (PostgreSQL locks in env.py)."""
+    url = make_url(database_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        yield
+        return
+    path = Path(f"{url.database}.migrate.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    """Upgrade the schema to `revision`; memory:// has none to upgrade."""
+    if database_url == MEMORY_URL:
+        return
+    with _file_lock(database_url):
+        command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str, revision: str) -> None:
+    """Downgrade the schema to `revision` (used by the migration tests)."""
+    with _file_lock(database_url):
+        command.downgrade(alembic_config(database_url), revision)
+
+
+async def upgrade_async(database_url: str) -> None:
+    """upgrade() from inside an event loop (alembic's env.py runs its own loop)."""
+    await asyncio.to_thread(upgrade, database_url)

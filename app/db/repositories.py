@@ -1,0 +1,251 @@
+"""Repositories: add, flush and select inside the caller's transaction; they never commit.
+
+The hot path (the runner's per-step writes) uses Core statements rather than the ORM unit of
+work: a step is two short INSERT/UPDATE round trips, whatever the length of the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, delete, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.db import models
+from app.domain import Message, Role, RunStatus, ToolCall
+
+
+def message_to_row(message: Message, *, session_id: str, now: datetime) -> dict[str, Any]:
+    """The insert parameters of one history message (its `seq` and `run_id` must be set)."""
+    return {
+        "session_id": session_id,
+        "seq": message.seq,
+        "role": message.role.value,
+        "content": message.content,
+        "tool_calls": [c.as_json() for c in message.tool_calls] if message.tool_calls else None,
+        "tool_call_id": message.tool_call_id,
+        "tool_name": message.tool_name,
+        "is_error": message.is_error,
+        "run_id": message.run_id,
+        "created_at": now,
+    }
+
+
+def row_to_message(row: models.Message) -> Message:
+    """The domain message of a stored row."""
+    return Message(
+        role=Role(row.role),
+        content=row.content,
+        tool_calls=[
+            ToolCall(c["id"], c["name"], c.get("arguments") or {}) for c in row.tool_calls or []
+        ],
+        tool_call_id=row.tool_call_id,
+        tool_name=row.tool_name,
+        is_error=row.is_error,
+        seq=row.seq,
+        run_id=row.run_id,
+        created_at=row.created_at,
+    )
+
+
+class SessionRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._s = session
+
+    async def get(self, session_id: str) -> models.Session | None:
+        """The session row, or None."""
+        return await self._s.get(models.Session, session_id)
+
+    async def insert(
+        self,
+        session_id: str,
+        *,
+        agent: str,
+        tenant_id: str | None,
+        user_id: str | None,
+        metadata: dict[str, Any],
+        message_count: int,
+        now: datetime,
+    ) -> None:
+        """Create a session; a concurrent creator makes this raise IntegrityError."""
+        await self._s.execute(
+            insert(models.Session).values(
+                id=session_id,
+                agent=agent,
+                tenant_id=tenant_id,
+                user_id=user_id,
+                metadata=metadata,
+                message_count=message_count,
+                created_at=now,
+                updated_at=now,
+            )
+        )
+
+    async def advance(self, session_id: str, *, expected: int, new: int, now: datetime) -> bool:
+        """Compare-and-set `message_count` from `expected` to `new`; False if someone else wrote."""
+        result = await self._s.execute(
+            update(models.Session)
+            .where(models.Session.id == session_id, models.Session.message_count == expected)
+            .values(message_count=new, updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        # An UPDATE's result is a CursorResult, whose rowcount the generic Result type hides.
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+    def list_query(
+        self,
+        *,
+        tenant_id: str | None,
+        agent: str | None,
+        user_id: str | None,
+        after: tuple[datetime, str] | None,
+        limit: int,
+    ) -> Select[models.Session]:
+        """Sessions, most recently updated first, keyset-paginated on (updated_at, id)."""
+        query = select(models.Session).where(
+            models.Session.tenant_id.is_(None)
+            if tenant_id is None
+            else models.Session.tenant_id == tenant_id
+        )
+        if agent is not None:
+            query = query.where(models.Session.agent == agent)
+        if user_id is not None:
+            query = query.where(models.Session.user_id == user_id)
+        if after is not None:
+            updated_at, session_id = after
+            query = query.where(
+                (models.Session.updated_at < updated_at)
+                | ((models.Session.updated_at == updated_at) & (models.Session.id < session_id))
+            )
+        return query.order_by(models.Session.updated_at.desc(), models.Session.id.desc()).limit(
+            limit
+        )
+
+    async def list(self, **kwargs: Any) -> Sequence[models.Session]:
+        """See list_query."""
+        return (await self._s.execute(self.list_query(**kwargs))).scalars().all()
+
+    async def delete(self, session_id: str) -> None:
+        """Delete the session with its runs and messages."""
+        await self._s.execute(delete(models.Message).where(models.Message.session_id == session_id))
+        await self._s.execute(delete(models.Run).where(models.Run.session_id == session_id))
+        await self._s.execute(delete(models.Session).where(models.Session.id == session_id))
+
+
+class MessageRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._s = session
+
+    async def add_many(
+        self, session_id: str, messages: Sequence[Message], *, now: datetime
+    ) -> None:
+        """Insert messages whose `seq` is already assigned, in one round trip."""
+        for message in messages:
+            message.created_at = now
+        if messages:
+            rows = [message_to_row(m, session_id=session_id, now=now) for m in messages]
+            await self._s.execute(insert(models.Message), rows)
+
+    async def history(self, session_id: str) -> list[Message]:
+        """The whole history in `seq` order."""
+        rows = await self._s.scalars(
+            select(models.Message)
+            .where(models.Message.session_id == session_id)
+            .order_by(models.Message.seq)
+        )
+        return [row_to_message(r) for r in rows]
+
+    async def last_tool_step(self, session_id: str) -> list[Message]:
+        """The last assistant message that asked for tools and everything after it."""
+        last = (
+            select(func.max(models.Message.seq))
+            .where(
+                models.Message.session_id == session_id,
+                models.Message.role == Role.ASSISTANT.value,
+                models.Message.tool_calls.is_not(None),
+            )
+            .scalar_subquery()
+        )
+        rows = await self._s.scalars(
+            select(models.Message)
+            .where(models.Message.session_id == session_id, models.Message.seq >= last)
+            .order_by(models.Message.seq)
+        )
+        return [row_to_message(r) for r in rows]
+
+    async def page(
+        self, session_id: str, *, after_seq: int | None, limit: int
+    ) -> Sequence[models.Message]:
+        """One page of the history, in order."""
+        query = select(models.Message).where(models.Message.session_id == session_id)
+        if after_seq is not None:
+            query = query.where(models.Message.seq > after_seq)
+        return (await self._s.scalars(query.order_by(models.Message.seq).limit(limit))).all()
+
+    async def for_run(self, run_id: str) -> Sequence[models.Message]:
+        """The messages a run stored, in order."""
+        return (
+            await self._s.scalars(
+                select(models.Message)
+                .where(models.Message.run_id == run_id)
+                .order_by(models.Message.seq)
+            )
+        ).all()
+
+
+class RunRepository:
+    def __init__(self, session: AsyncSession) -> None:
+        self._s = session
+
+    async def get(self, run_id: str) -> models.Run | None:
+        """The run row, or None."""
+        return await self._s.get(models.Run, run_id)
+
+    async def insert(self, values: dict[str, Any]) -> None:
+        """Insert a run from column values."""
+        await self._s.execute(insert(models.Run).values(**values))
+
+    async def update(self, run_id: str, values: dict[str, Any]) -> None:
+        """Update a run's columns."""
+        await self._s.execute(
+            update(models.Run)
+            .where(models.Run.id == run_id)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+
+    async def mark_interrupted(self, session_id: str, *, now: datetime) -> list[str]:
+        """Mark the session's unfinished runs `interrupted` (their runner is gone); their ids."""
+        result = await self._s.execute(
+            update(models.Run)
+            .where(models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING)
+            .values(status=RunStatus.INTERRUPTED, finished_at=now)
+            .returning(models.Run.id)
+            .execution_options(synchronize_session=False)
+        )
+        return list(result.scalars())
+
+    async def unfinished(self, session_id: str) -> list[str]:
+        """Ids of the session's runs still marked `running`."""
+        result = await self._s.scalars(
+            select(models.Run.id).where(
+                models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING
+            )
+        )
+        return list(result)
+
+    async def list_for_session(
+        self, session_id: str, *, after: tuple[datetime, str] | None, limit: int
+    ) -> Sequence[models.Run]:
+        """The session's runs, newest first, keyset-paginated on (created_at, id)."""
+        query = select(models.Run).where(models.Run.session_id == session_id)
+        if after is not None:
+            created_at, run_id = after
+            query = query.where(
+                (models.Run.created_at < created_at)
+                | ((models.Run.created_at == created_at) & (models.Run.id < run_id))
+            )
+        query = query.order_by(models.Run.created_at.desc(), models.Run.id.desc()).limit(limit)
+        return (await self._s.scalars(query)).all()

@@ -1,0 +1,104 @@
+"""Engine and sessionmaker set-up for the three stores: SQLite file, PostgreSQL, memory://."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+from app.db import models  # noqa: F401  # registers the tables on Base.metadata
+from app.db.base import Base
+from app.errors import ConfigError
+
+MEMORY_URL = "memory://"
+
+
+def async_url(database_url: str) -> str:
+    """Map a DATABASE_URL of CONTRACT §5 to the async SQLAlchemy URL that serves it."""
+    if database_url == MEMORY_URL:
+        # A private shared-cache in-memory database; it lives while one connection is open.
+        name = f"agent_runner_{uuid.uuid4().hex}"
+        return f"sqlite+aiosqlite:///file:{name}?mode=memory&cache=shared&uri=true"
+    try:
+        url = make_url(database_url)
+    except Exception as exc:
+        raise ConfigError(f"DATABASE_URL is not a database URL: {exc}") from exc
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        return url.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
+    if backend in ("postgresql", "postgres"):
+        return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+    raise ConfigError(
+        f"DATABASE_URL scheme {url.drivername!r} is not supported; "
+        "use sqlite:///path.db, postgresql://user@host/db or memory://"
+    )
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take over transaction control from the driver so BEGIN IMMEDIATE below is ours.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout = 10000")
+        cursor.execute("PRAGMA foreign_keys = ON")
+        if not engine.url.database or "mode=memory" not in str(engine.url):
+            cursor.execute("PRAGMA journal_mode = WAL")
+            # With WAL, NORMAL survives any process crash (kill -9); only a power loss can drop
+            # the last commits, which the contract's crash windows do not cover.
+            cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # IMMEDIATE takes the write lock up front: a read-then-write transaction can then never
+        # fail half-way with SQLITE_BUSY, it waits for busy_timeout instead.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+@dataclass
+class Database:
+    """An engine, its sessionmaker and what kind of store it is."""
+
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    durable: bool
+    _keeper: AsyncConnection | None = None
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @classmethod
+    async def connect(cls, database_url: str, *, pool_size: int = 10) -> Database:
+        """Create the engine; memory:// also gets its schema, since it has no migrations."""
+        url = async_url(database_url)
+        memory = database_url == MEMORY_URL
+        kwargs: dict[str, Any] = {}
+        if url.startswith("postgresql"):
+            kwargs = {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
+        engine = create_async_engine(url, **kwargs)
+        if engine.dialect.name == "sqlite":
+            _configure_sqlite(engine)
+        db = cls(engine, async_sessionmaker(engine, expire_on_commit=False), durable=not memory)
+        if memory:
+            db._keeper = await engine.connect()
+            async with engine.begin() as conn:
+                await conn.run_sync(Base.metadata.create_all)
+        return db
+
+    async def dispose(self) -> None:
+        """Close every connection."""
+        if self._keeper is not None:
+            await self._keeper.close()
+        await self.engine.dispose()

@@ -1,0 +1,71 @@
+"""The FastAPI application and its lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
+from app.api import problems
+from app.api.deps import Services
+from app.api.limits import BodySizeLimit
+from app.api.routes import agents, health, runs, sessions
+from app.db.migrate import head_revision
+from app.db.session import Database
+from app.failpoints import Failpoints
+from app.llm.base import LLMClient
+from app.llm.router import ModelRouter
+from app.services.runner import AgentRunner
+from app.services.runs import ActiveRuns, RunService
+from app.services.sessions import SessionService
+from app.settings import Settings
+from app.tools.registry import load_registry
+
+
+def _operation_id(route: APIRoute) -> str:
+    # Handlers are named verb_noun; that name is the stable operationId clients generate from.
+    return route.name
+
+
+def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None) -> FastAPI:
+    """Build the app; engine, clients and registry are created by the lifespan."""
+    settings = settings or Settings()
+    failpoints = Failpoints.parse(settings.failpoints)
+    registry = load_registry(settings.agents_file)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = await Database.connect(settings.database_url, pool_size=settings.database_pool_size)
+        model = llm or ModelRouter.from_settings(
+            max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
+        )
+        active = ActiveRuns()
+        runner = AgentRunner(llm=model, registry=registry)
+        app.state.services = Services(
+            db=db,
+            registry=registry,
+            runs=RunService(db.sessions, db.durable, registry, runner, failpoints, active),
+            sessions=SessionService(db.sessions, active),
+            head_revision=head_revision() if db.durable else None,
+        )
+        try:
+            yield
+        finally:
+            await model.aclose()
+            await registry.aclose()
+            await db.dispose()
+
+    app = FastAPI(
+        title="agent-runner",
+        version="1",
+        summary="Runs LLM agents over REST with durable, at-most-once tool execution.",
+        lifespan=lifespan,
+        generate_unique_id_function=_operation_id,
+    )
+    problems.install(app)
+    for module in (runs, sessions, agents, health):
+        app.include_router(module.router)
+    app.add_middleware(BodySizeLimit)
+    return app

@@ -1,0 +1,1 @@
+"""API models: request bodies and responses."""

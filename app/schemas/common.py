@@ -1,0 +1,52 @@
+"""Shapes shared by every route: problems, pages, cursors."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from datetime import datetime
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel, Field
+
+from app.errors import ValidationFailed
+
+T = TypeVar("T")
+
+MAX_PAGE = 200
+DEFAULT_PAGE = 50
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document plus our stable `code`."""
+
+    type: str = Field(examples=["https://agent-runner.dev/problems/session_busy"])
+    title: str
+    status: int
+    detail: str
+    code: str
+
+
+class Page(BaseModel, Generic[T]):
+    """A page of a list; pass `next_after` as `after` to get the next one."""
+
+    data: list[T]
+    next_after: str | None
+
+
+def encode_cursor(moment: datetime, key: str) -> str:
+    """An opaque cursor for keyset pagination on (timestamp, id)."""
+    raw = f"{moment.isoformat()}|{key}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """The (timestamp, id) of a cursor; a malformed one is a validation error."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        moment, _, key = base64.urlsafe_b64decode(padded).decode().partition("|")
+        if not key:
+            raise ValueError("no key")
+        return datetime.fromisoformat(moment), key
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise ValidationFailed(f"'after' is not a cursor this list returned: {cursor!r}") from exc

@@ -1,0 +1,150 @@
+"""Runs, sessions, messages and agents as the API shows them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.domain import Message, RunStatus, SessionStatus
+from app.tools.base import AgentConfig, Tool
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_MESSAGE_CHARS = 262_144  # 256 Ki characters; the whole body is capped at 1 MiB anyway
+
+
+class RunCreate(BaseModel):
+    """Run one turn of an agent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str = Field(min_length=1, max_length=64)
+    message: str = Field(min_length=1, max_length=MAX_MESSAGE_CHARS)
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
+    user_id: str | None = Field(default=None, min_length=1, max_length=128)
+    metadata: dict[str, Any] | None = None
+
+
+class ToolCallRead(BaseModel):
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class MessageRead(BaseModel):
+    seq: int | None
+    role: str
+    content: str
+    tool_calls: list[ToolCallRead]
+    tool_call_id: str | None
+    tool_name: str | None
+    is_error: bool
+    run_id: str | None
+    created_at: datetime | None
+
+    @classmethod
+    def of(cls, message: Message) -> MessageRead:
+        """The API shape of a domain message."""
+        return cls(
+            seq=message.seq,
+            role=message.role.value,
+            content=message.content,
+            tool_calls=[ToolCallRead(**c.as_json()) for c in message.tool_calls],
+            tool_call_id=message.tool_call_id,
+            tool_name=message.tool_name,
+            is_error=message.is_error,
+            run_id=message.run_id,
+            created_at=message.created_at,
+        )
+
+
+class UsageRead(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class RunErrorRead(BaseModel):
+    type: str
+    message: str
+
+
+class RunRead(BaseModel):
+    run_id: str
+    session_id: str | None
+    agent: str
+    status: RunStatus
+    response: str | None
+    iterations: int
+    messages: list[MessageRead]
+    usage: UsageRead
+    error: RunErrorRead | None
+    metadata: dict[str, Any]
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class RunSummary(BaseModel):
+    """A run in a list: the record without its messages."""
+
+    run_id: str
+    session_id: str
+    agent: str
+    status: RunStatus
+    response: str | None
+    iterations: int
+    usage: UsageRead
+    error: RunErrorRead | None
+    metadata: dict[str, Any]
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class SessionRead(BaseModel):
+    id: str
+    agent: str
+    user_id: str | None
+    tenant_id: str | None
+    metadata: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    message_count: int
+    status: SessionStatus
+
+
+class ToolRead(BaseModel):
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    safe_to_retry: bool
+    parallel: bool
+
+    @classmethod
+    def of(cls, tool: Tool) -> ToolRead:
+        """The API shape of a configured tool."""
+        return cls(
+            name=tool.name,
+            description=tool.description,
+            input_schema=tool.input_schema,
+            safe_to_retry=tool.safe_to_retry,
+            parallel=tool.parallel,
+        )
+
+
+class AgentRead(BaseModel):
+    name: str
+    description: str | None
+    model: str
+    max_iterations: int
+    tools: list[ToolRead]
+
+    @classmethod
+    def of(cls, agent: AgentConfig, tools: list[Tool]) -> AgentRead:
+        """The API shape of an agent."""
+        return cls(
+            name=agent.name,
+            description=agent.description,
+            model=agent.model,
+            max_iterations=agent.max_iterations,
+            tools=[ToolRead.of(t) for t in tools],
+        )

@@ -1,0 +1,1 @@
+"""Services: the units of work behind the routes, and the agent loop."""

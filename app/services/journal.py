@@ -1,0 +1,211 @@
+"""The durable writes of a turn (CONTRACT §2), each one short transaction.
+
+Every write appends messages with the next `seq` values and advances the session's
+`message_count` with a compare-and-set in the same transaction. A second writer on the same
+session therefore fails its write instead of interleaving (SessionConflict), and a repeated
+write conflicts on `(session_id, seq)` instead of duplicating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.db.base import utcnow
+from app.db.repositories import MessageRepository, RunRepository, SessionRepository
+from app.domain import Message, RunStatus, Usage
+from app.errors import SessionConflict
+from app.failpoints import Failpoints
+
+
+@dataclass
+class Turn:
+    """One run of one turn: who it is for and what of it is stored so far."""
+
+    run_id: str
+    agent: str
+    user_message: Message
+    session_id: str | None = None
+    tenant_id: str | None = None
+    user_id: str | None = None
+    session_metadata: dict[str, Any] = field(default_factory=dict)
+    run_metadata: dict[str, Any] = field(default_factory=dict)
+    stored_count: int = 0
+    session_exists: bool = False
+    run_stored: bool = False
+    user_stored: bool = False
+    created_at: datetime = field(default_factory=utcnow)
+    finished_at: datetime | None = None
+    iterations: int = 0
+    usage: Usage = field(default_factory=Usage)
+    messages: list[Message] = field(default_factory=list)
+
+    def run_values(self) -> dict[str, Any]:
+        """Columns of the run row as they stand."""
+        return {
+            "iterations": self.iterations,
+            "input_tokens": self.usage.input_tokens,
+            "output_tokens": self.usage.output_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    status: RunStatus
+    response: str | None
+    error_type: str | None = None
+    error_message: str | None = None
+
+
+class Journal:
+    """Stateless runs: the same calls, nothing written."""
+
+    async def record_step(self, turn: Turn, assistant: Message) -> None:
+        """Write #1: the assistant message with its tool calls (and the user message)."""
+        assistant.run_id = turn.run_id
+
+    async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
+        """Write #2: every tool result of the step, or none."""
+
+    async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
+        """End of turn: the final answer (and the user message) and the run's outcome."""
+
+    async def record_repair(
+        self, turn: Turn, results: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        """Resume: results for orphaned calls, and unfinished runs marked interrupted."""
+
+
+class DurableJournal(Journal):
+    """Writes each step of a session's turn in its own transaction."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], failpoints: Failpoints) -> None:
+        self._sessions = sessions
+        self._failpoints = failpoints
+
+    async def record_step(self, turn: Turn, assistant: Message) -> None:
+        assistant.run_id = turn.run_id
+        self._failpoints.reach("before-write-1")
+        await self._append(turn, [assistant], store_user=True)
+        self._failpoints.reach("after-write-1")
+
+    async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
+        for message in results:
+            message.run_id = turn.run_id
+        self._failpoints.reach("after-handlers")
+        await self._append(turn, results, store_user=True, failpoint="in-write-2")
+        self._failpoints.reach("after-write-2")
+
+    async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
+        values = {
+            **turn.run_values(),
+            "status": end.status.value,
+            "response": end.response,
+            "error_type": end.error_type,
+            "error_message": end.error_message,
+            "finished_at": turn.finished_at,
+        }
+        if final is not None:
+            final.run_id = turn.run_id
+        self._failpoints.reach("before-final-write")
+        # A model failure before any write leaves the history as it was: no user message.
+        batch = [final] if final is not None else []
+        await self._append(turn, batch, store_user=final is not None, run_values=values)
+
+    async def record_repair(
+        self, turn: Turn, results: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        if not results and not interrupted:
+            return
+        async with self._begin(turn) as session:
+            now = utcnow()
+            if results:
+                await self._advance(session, turn, results, now=now)
+            runs = RunRepository(session)
+            for run_id in interrupted:
+                await runs.update(
+                    run_id, {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
+                )
+        turn.stored_count += len(results)
+
+    async def _append(
+        self,
+        turn: Turn,
+        messages: Sequence[Message],
+        *,
+        store_user: bool,
+        run_values: dict[str, Any] | None = None,
+        failpoint: str | None = None,
+    ) -> None:
+        """Append messages (after the user message, if due) and create or update the run."""
+        batch = list(messages)
+        with_user = store_user and not turn.user_stored
+        if with_user:
+            turn.user_message.run_id = turn.run_id
+            batch.insert(0, turn.user_message)
+        async with self._begin(turn) as session:
+            now = utcnow()
+            await self._advance(session, turn, batch, now=now)
+            runs = RunRepository(session)
+            if not turn.run_stored:
+                await runs.insert(self._new_run(turn, now) | (run_values or turn.run_values()))
+            else:
+                await runs.update(turn.run_id, run_values or turn.run_values())
+            if failpoint is not None:
+                await session.flush()
+                self._failpoints.reach(failpoint)
+        turn.stored_count += len(batch)
+        turn.session_exists = True
+        turn.run_stored = True
+        turn.user_stored = turn.user_stored or with_user
+
+    async def _advance(
+        self, session: AsyncSession, turn: Turn, batch: Sequence[Message], *, now: datetime
+    ) -> None:
+        """Number the batch after the stored history, claim those seqs, insert the rows."""
+        assert turn.session_id is not None
+        for offset, message in enumerate(batch, start=1):
+            message.seq = turn.stored_count + offset
+        new_count = turn.stored_count + len(batch)
+        sessions = SessionRepository(session)
+        if not turn.session_exists:
+            await sessions.insert(
+                turn.session_id,
+                agent=turn.agent,
+                tenant_id=turn.tenant_id,
+                user_id=turn.user_id,
+                metadata=turn.session_metadata,
+                message_count=new_count,
+                now=now,
+            )
+        elif not await sessions.advance(
+            turn.session_id, expected=turn.stored_count, new=new_count, now=now
+        ):
+            raise SessionConflict(turn.session_id)
+        await MessageRepository(session).add_many(turn.session_id, batch, now=now)
+
+    def _new_run(self, turn: Turn, now: datetime) -> dict[str, Any]:
+        return {
+            "id": turn.run_id,
+            "session_id": turn.session_id,
+            "agent": turn.agent,
+            "user_id": turn.user_id,
+            "status": RunStatus.RUNNING.value,
+            "metadata": turn.run_metadata,
+            "created_at": turn.created_at,
+        }
+
+    @asynccontextmanager
+    async def _begin(self, turn: Turn) -> AsyncIterator[AsyncSession]:
+        """One transaction; losing a race for the session's next seq is a SessionConflict."""
+        try:
+            async with self._sessions.begin() as session:
+                yield session
+        except IntegrityError as exc:
+            raise SessionConflict(turn.session_id or "") from exc

@@ -1,0 +1,189 @@
+"""The tool-calling loop: model call, write #1, dispatch, write #2, until a final answer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.db.base import utcnow
+from app.domain import Message, RunStatus, ToolCall, ToolResult, durability_error, orphaned_calls
+from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse
+from app.services.journal import Journal, RunEnd, Turn
+from app.tools.base import AgentConfig, ToolContext
+from app.tools.registry import ToolRegistry
+
+log = logging.getLogger(__name__)
+
+BUDGET_WARN = 0.8
+BUDGET_STOP = 0.9
+BUDGET_NOTE = (
+    "Note from the runner: this run has used 80% of its token budget. "
+    "Finish the task with as few further steps as you can."
+)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    end: RunEnd
+    turn: Turn
+
+
+class AgentRunner:
+    """Runs one turn of an agent over a history, writing through a Journal."""
+
+    def __init__(self, *, llm: LLMClient, registry: ToolRegistry) -> None:
+        self._llm = llm
+        self._registry = registry
+
+    async def repair(
+        self,
+        turn: Turn,
+        journal: Journal,
+        history: list[Message],
+        agent: AgentConfig,
+        *,
+        unfinished_runs: Sequence[str],
+    ) -> None:
+        """Give every orphaned call of `history` exactly one result, durably (CONTRACT §2).
+
+        A `safe_to_retry` tool is invoked again and its real result stored; any other gets
+        the durability error, so the model — not the runner — decides whether to repeat it.
+        """
+        index, orphans = orphaned_calls(history)
+        results: list[Message] = []
+        if orphans:
+            owner_run = history[index].run_id
+            for call in orphans:
+                result = await self._reinvoke(turn, call, agent)
+                message = Message.tool(result)
+                message.run_id = owner_run
+                results.append(message)
+                log.info(
+                    "repaired orphaned tool call",
+                    extra={"tool_call_id": call.id, "tool": call.name, "error": result.is_error},
+                )
+        await journal.record_repair(turn, results, unfinished_runs)
+        history.extend(results)
+
+    async def _reinvoke(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
+        tool = self._registry.tool(call.name)
+        if tool is None or not tool.safe_to_retry or call.name not in agent.tools:
+            return durability_error(call.name, call.id)
+        return await self._registry.execute(call, self._context(turn, call), allowed=agent.tools)
+
+    async def run(
+        self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
+    ) -> RunOutcome:
+        """Run the turn to its end; journal writes raise, model failures end the run."""
+        messages = [*history, turn.user_message]
+        turn.messages.append(turn.user_message)
+        tools = [t.spec for t in self._registry.tools_for(agent)]
+        system = agent.system
+        steps_without_success = 0
+        warned = False
+        last_text: str | None = None
+        while True:
+            if turn.iterations >= agent.max_iterations:
+                end = RunEnd(RunStatus.MAX_ITERATIONS, last_text)
+                break
+            turn.iterations += 1
+            request = ModelRequest(agent.model, system, messages, tools, agent.max_tokens)
+            try:
+                response = await self._llm.complete(request)
+            except LLMError as exc:
+                end = RunEnd(RunStatus.ERROR, last_text, exc.type, exc.message)
+                break
+            except Exception as exc:  # an adapter bug must end the run, not answer a 500
+                log.exception("model call raised", extra={"run_id": turn.run_id})
+                end = RunEnd(RunStatus.ERROR, last_text, "internal_error", str(exc))
+                break
+            turn.usage.add(response.usage)
+            assistant = Message.assistant(response.text, response.tool_calls)
+            last_text = response.text
+            if not response.tool_calls:
+                await self._finish(turn, journal, assistant, RunEnd(RunStatus.COMPLETE, last_text))
+                return RunOutcome(RunEnd(RunStatus.COMPLETE, last_text), turn)
+            await self._step(turn, journal, agent, assistant, response, messages)
+            if all(m.is_error for m in messages[-len(response.tool_calls) :]):
+                steps_without_success += 1
+            else:
+                steps_without_success = 0
+            if steps_without_success >= agent.stuck_threshold:
+                end = RunEnd(RunStatus.STUCK, last_text)
+                break
+            if agent.token_budget is not None:
+                used = turn.usage.total / agent.token_budget
+                if used >= BUDGET_STOP:
+                    end = RunEnd(RunStatus.TOKEN_BUDGET_EXHAUSTED, last_text)
+                    break
+                if used >= BUDGET_WARN and not warned:
+                    warned = True
+                    system = f"{system}\n\n{BUDGET_NOTE}" if system else BUDGET_NOTE
+                    log.warning(
+                        "run used 80%% of its token budget",
+                        extra={"run_id": turn.run_id, "tokens": turn.usage.total},
+                    )
+        await self._finish(turn, journal, None, end)
+        return RunOutcome(end, turn)
+
+    async def _step(
+        self,
+        turn: Turn,
+        journal: Journal,
+        agent: AgentConfig,
+        assistant: Message,
+        response: ModelResponse,
+        messages: list[Message],
+    ) -> None:
+        """One tool-call step: write #1, every handler, write #2."""
+        await journal.record_step(turn, assistant)
+        messages.append(assistant)
+        turn.messages.append(assistant)
+        results = [Message.tool(r) for r in await self._dispatch(turn, agent, response.tool_calls)]
+        await journal.record_results(turn, results)
+        messages.extend(results)
+        turn.messages.extend(results)
+
+    async def _finish(
+        self, turn: Turn, journal: Journal, final: Message | None, end: RunEnd
+    ) -> None:
+        turn.finished_at = utcnow()
+        await journal.record_end(turn, final, end)
+        if final is not None:
+            turn.messages.append(final)
+
+    async def _dispatch(
+        self, turn: Turn, agent: AgentConfig, calls: Sequence[ToolCall]
+    ) -> list[ToolResult]:
+        """Run the step's calls in order; neighbouring `parallel` tools run concurrently."""
+        limit = asyncio.Semaphore(agent.max_tool_concurrency)
+        results: list[ToolResult] = []
+        batch: list[ToolCall] = []
+
+        async def limited(call: ToolCall) -> ToolResult:
+            async with limit:
+                return await self._execute(turn, call, agent)
+
+        async def flush() -> None:
+            if batch:
+                results.extend(await asyncio.gather(*(limited(c) for c in batch)))
+                batch.clear()
+
+        for call in calls:
+            tool = self._registry.tool(call.name)
+            if tool is not None and tool.parallel:
+                batch.append(call)
+                continue
+            await flush()
+            results.append(await self._execute(turn, call, agent))
+        await flush()
+        return results
+
+    async def _execute(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
+        return await self._registry.execute(call, self._context(turn, call), allowed=agent.tools)
+
+    @staticmethod
+    def _context(turn: Turn, call: ToolCall) -> ToolContext:
+        return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)

@@ -1,0 +1,122 @@
+"""Reading and deleting sessions, their messages and runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.db import models
+from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
+from app.domain import SessionStatus, orphaned_calls
+from app.errors import SessionBusy, SessionNotFound, ValidationFailed
+from app.schemas.common import Page, decode_cursor, encode_cursor
+from app.schemas.runs import MessageRead, RunSummary, SessionRead
+from app.services.runs import ActiveRuns, run_summary
+
+
+@dataclass
+class SessionService:
+    sessions: async_sessionmaker[AsyncSession]
+    active: ActiveRuns
+
+    async def get(self, session_id: str, *, tenant_id: str | None) -> SessionRead:
+        """One session with its status."""
+        async with self.sessions.begin() as session:
+            row = await self._visible(session, session_id, tenant_id)
+            return _session_read(row, await self._status(session, session_id))
+
+    async def list(
+        self,
+        *,
+        tenant_id: str | None,
+        agent: str | None,
+        user_id: str | None,
+        after: str | None,
+        limit: int,
+    ) -> Page[SessionRead]:
+        """Sessions, most recently updated first."""
+        async with self.sessions.begin() as session:
+            rows = await SessionRepository(session).list(
+                tenant_id=tenant_id,
+                agent=agent,
+                user_id=user_id,
+                after=decode_cursor(after) if after else None,
+                limit=limit + 1,
+            )
+            page = [_session_read(r, await self._status(session, r.id)) for r in rows[:limit]]
+        last = rows[limit - 1] if len(rows) > limit else None
+        return Page(data=page, next_after=encode_cursor(last.updated_at, last.id) if last else None)
+
+    async def messages(
+        self, session_id: str, *, tenant_id: str | None, after: str | None, limit: int
+    ) -> Page[MessageRead]:
+        """The history in order."""
+        after_seq = _parse_seq(after)
+        async with self.sessions.begin() as session:
+            await self._visible(session, session_id, tenant_id)
+            rows = await MessageRepository(session).page(
+                session_id, after_seq=after_seq, limit=limit + 1
+            )
+        data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
+        more = len(rows) > limit
+        return Page(data=data, next_after=str(rows[limit - 1].seq) if more else None)
+
+    async def runs(
+        self, session_id: str, *, tenant_id: str | None, after: str | None, limit: int
+    ) -> Page[RunSummary]:
+        """The session's runs, newest first."""
+        async with self.sessions.begin() as session:
+            await self._visible(session, session_id, tenant_id)
+            rows = await RunRepository(session).list_for_session(
+                session_id, after=decode_cursor(after) if after else None, limit=limit + 1
+            )
+        data = [run_summary(r) for r in rows[:limit]]
+        last = rows[limit - 1] if len(rows) > limit else None
+        return Page(data=data, next_after=encode_cursor(last.created_at, last.id) if last else None)
+
+    async def delete(self, session_id: str, *, tenant_id: str | None) -> None:
+        """Delete the session, its runs and messages; not while a run is in progress."""
+        active = self.active.active_run(session_id)
+        if active is not None:
+            raise SessionBusy(session_id, active)
+        async with self.sessions.begin() as session:
+            await self._visible(session, session_id, tenant_id)
+            await SessionRepository(session).delete(session_id)
+
+    async def _status(self, session: AsyncSession, session_id: str) -> SessionStatus:
+        if self.active.active_run(session_id) is not None:
+            return SessionStatus.RUNNING
+        _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(session_id))
+        return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
+
+    @staticmethod
+    async def _visible(
+        session: AsyncSession, session_id: str, tenant_id: str | None
+    ) -> models.Session:
+        row = await SessionRepository(session).get(session_id)
+        if row is None or row.tenant_id != tenant_id:
+            raise SessionNotFound(session_id)
+        return row
+
+
+def _parse_seq(after: str | None) -> int | None:
+    if after is None:
+        return None
+    if not after.isdigit():
+        raise ValidationFailed(f"'after' is not a cursor this list returned: {after!r}")
+    return int(after)
+
+
+def _session_read(row: models.Session, status: SessionStatus) -> SessionRead:
+    return SessionRead(
+        id=row.id,
+        agent=row.agent,
+        user_id=row.user_id,
+        tenant_id=row.tenant_id,
+        metadata=row.metadata_ or {},
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        message_count=row.message_count,
+        status=status,
+    )

@@ -1,0 +1,55 @@
+"""Alembic environment: async engines, and a lock so concurrent upgrades run one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+
+from alembic import context
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from app.db.base import UTCDateTime
+from app.db.migrate import MIGRATION_LOCK_KEY
+from app.db.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _render_item(type_: str, obj: object, autogen_context: object) -> str | bool:
+    """Render our UTCDateTime as the plain column type it stores, so scripts need no app import."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+        render_item=_render_item,
+    )
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Held until this transaction ends: a second replica waits, then finds nothing to do.
+            connection.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})"))
+        context.run_migrations()
+
+
+async def _run_async() -> None:
+    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+    engine = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_run)
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline (--sql) migrations are not supported; run `agent-runner migrate`")
+asyncio.run(_run_async())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from app.llm.base import ToolSpec
@@ -68,4 +68,3 @@ class AgentConfig:
     max_tokens: int = 4096
     journal: str = "per_step"
     description: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)

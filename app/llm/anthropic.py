@@ -1,0 +1,192 @@
+"""LLMClient over the official async Anthropic SDK: maps our history to Messages API params."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import anthropic
+from anthropic import omit
+from anthropic.types import (
+    AssistantMessageParam,
+    MessageParam,
+    TextBlock,
+    TextBlockParam,
+    ToolParam,
+    ToolResultBlockParam,
+    ToolUseBlock,
+    ToolUseBlockParam,
+    UserMessageParam,
+)
+
+from app.domain import Message, Role, ToolCall, Usage
+from app.llm.base import LLMError, ModelRequest, ModelResponse
+
+log = logging.getLogger(__name__)
+
+# Sent when no credential is configured, so the client still builds offline; the API then
+# answers 401, which surfaces as LLMError(type="authentication_error") at call time.
+_PLACEHOLDER_API_KEY = "missing-anthropic-api-key"
+
+# Used only when an error body carries no `error.type` (e.g. a proxy's HTML error page).
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+_ApiRole = Literal["user", "assistant"]
+_Block = TextBlockParam | ToolUseBlockParam | ToolResultBlockParam
+
+
+class AnthropicLLMClient:
+    """The production model client; retries of 429/5xx/overloaded are left to the SDK."""
+
+    def __init__(
+        self,
+        *,
+        max_retries: int,
+        timeout_s: float,
+        api_key: str | None = None,
+        base_url: str | None = None,
+    ) -> None:
+        def build(key: str | None) -> anthropic.AsyncAnthropic:
+            # key/base_url None: the SDK reads ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL itself.
+            return anthropic.AsyncAnthropic(
+                api_key=key, base_url=base_url, max_retries=max_retries, timeout=timeout_s
+            )
+
+        try:
+            sdk = build(api_key)
+        except anthropic.CredentialsError as err:
+            # A broken profile must not stop the service (agents on scripted models still
+            # work); calls to the API then fail with authentication_error.
+            log.warning("anthropic credentials unusable: %s", type(err).__name__)
+            sdk = build(_PLACEHOLDER_API_KEY)
+        if sdk.api_key is None and sdk.auth_token is None and sdk.credentials is None:
+            # Without any credential the SDK raises a bare TypeError per call; a placeholder
+            # turns that into a regular 401 from the API.
+            sdk.api_key = _PLACEHOLDER_API_KEY
+        self._client = sdk
+
+    async def complete(self, request: ModelRequest) -> ModelResponse:
+        """Send one Messages API request and map the answer back to our types."""
+        tools: list[ToolParam] = [
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in request.tools
+        ]
+        try:
+            message = await self._client.messages.create(
+                model=request.model,
+                max_tokens=request.max_tokens,
+                messages=to_api_messages(request.messages),
+                system=request.system if request.system else omit,
+                tools=tools if tools else omit,
+            )
+        except anthropic.AnthropicError as err:
+            error = _to_llm_error(err)
+            # Type and status only: the error text may quote the request, which holds prompts.
+            log.warning(
+                "model call failed",
+                extra={"error_type": error.type, "retryable": error.retryable},
+            )
+            raise error from err
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        for block in message.content:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                calls.append(ToolCall(block.id, block.name, dict(block.input)))
+            # Other block kinds (thinking, server tools) carry nothing the runner uses.
+        return ModelResponse(
+            text="".join(texts),
+            tool_calls=calls,
+            usage=Usage(message.usage.input_tokens, message.usage.output_tokens),
+            stop_reason=message.stop_reason,
+        )
+
+    async def aclose(self) -> None:
+        """Close the SDK's HTTP connections."""
+        await self._client.close()
+
+
+def to_api_messages(history: list[Message]) -> list[MessageParam]:
+    """Map stored history to API messages, merging neighbours that land on the same role.
+
+    Tool results become `tool_result` blocks in a user message; a tool result followed by a new
+    user text (a turn after crash repair) becomes one user message, results first as the API
+    requires. An assistant message with blank text and no tool calls is skipped: the API rejects
+    empty content and blank text blocks, and such a message tells the model nothing.
+    """
+    turns: list[tuple[_ApiRole, list[_Block]]] = []
+    for message in history:
+        role, blocks = _to_blocks(message)
+        if not blocks:
+            continue
+        if turns and turns[-1][0] == role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((role, blocks))
+    result: list[MessageParam] = []
+    for role, blocks in turns:
+        if role == "user":
+            result.append(UserMessageParam(role="user", content=blocks))
+        else:
+            result.append(AssistantMessageParam(role="assistant", content=blocks))
+    return result
+
+
+def _to_blocks(message: Message) -> tuple[_ApiRole, list[_Block]]:
+    if message.role is Role.USER:
+        return "user", [TextBlockParam(type="text", text=message.content)]
+    if message.role is Role.TOOL:
+        result = ToolResultBlockParam(
+            type="tool_result", tool_use_id=message.tool_call_id or "", content=message.content
+        )
+        if message.is_error:
+            result["is_error"] = True
+        return "user", [result]
+    blocks: list[_Block] = []
+    if message.content.strip():
+        blocks.append(TextBlockParam(type="text", text=message.content))
+    for call in message.tool_calls:
+        blocks.append(
+            ToolUseBlockParam(type="tool_use", id=call.id, name=call.name, input=call.arguments)
+        )
+    return "assistant", blocks
+
+
+def _to_llm_error(err: anthropic.AnthropicError) -> LLMError:
+    """Name an SDK failure; `retryable` mirrors the SDK's own retry policy."""
+    if isinstance(err, anthropic.APITimeoutError):
+        return LLMError("The model call timed out.", type="api_timeout", retryable=True)
+    if isinstance(err, anthropic.APIConnectionError):
+        return LLMError(
+            "Could not connect to the model API.", type="api_connection_error", retryable=True
+        )
+    if isinstance(err, anthropic.APIStatusError):
+        status = err.status_code
+        error_type = err.type or _TYPE_BY_STATUS.get(status, "api_error")
+        should_retry = err.response.headers.get("x-should-retry")
+        if should_retry in ("true", "false"):
+            retryable = should_retry == "true"
+        else:
+            retryable = status in (408, 409, 429) or status >= 500
+        detail = err.api_message or "no message"
+        return LLMError(
+            f"Model API error {status} ({error_type}): {detail}",
+            type=error_type,
+            retryable=retryable,
+        )
+    if isinstance(err, anthropic.CredentialsError):
+        return LLMError("Model API credentials could not be loaded.", type="authentication_error")
+    if isinstance(err, anthropic.APIResponseValidationError):
+        return LLMError("The model API answered an unexpected shape.", type="api_response_error")
+    return LLMError(f"Model call failed: {type(err).__name__}", type="model_error")

@@ -1,0 +1,208 @@
+"""Offline model: `scripted:<name>` runs a deterministic script function instead of an LLM."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from app.domain import Message, Role, ToolCall, Usage
+from app.llm.base import LLMError, ModelRequest, ModelResponse
+
+PREFIX = "scripted:"
+# A script must be a pure function of the request: a resumed session asks again with the
+# stored history and has to get the answer it would have got before the crash.
+Script = Callable[[ModelRequest], ModelResponse]
+
+_SCRIPTS: dict[str, Script] = {}
+
+
+def register_script(name: str, fn: Script) -> None:
+    """Make `fn` answer for model `scripted:<name>` (replaces a script of the same name)."""
+    _SCRIPTS[name] = fn
+
+
+class ScriptedLLMClient:
+    """LLMClient for `scripted:<name>` models; looks scripts up at call time."""
+
+    def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
+        # None: the module's registry, so register_script() after construction still counts.
+        self._scripts = scripts
+
+    async def complete(self, request: ModelRequest) -> ModelResponse:
+        """Answer with the named script; unknown names are an invalid_request_error."""
+        name = request.model.removeprefix(PREFIX)
+        scripts = _SCRIPTS if self._scripts is None else self._scripts
+        script = scripts.get(name) if request.model.startswith(PREFIX) else None
+        if script is None:
+            known = ", ".join(sorted(scripts)) or "none"
+            raise LLMError(
+                f"unknown scripted model {request.model!r} (known: {known})",
+                type="invalid_request_error",
+            )
+        response = script(request)
+        if response.usage.total == 0:
+            response.usage = _estimate_usage(request, response)
+        return response
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+def _tokens(text: str) -> int:
+    return (len(text) + 3) // 4  # roughly 4 characters a token, like English text
+
+
+def _calls_text(calls: list[ToolCall]) -> str:
+    return json.dumps([call.as_json() for call in calls]) if calls else ""
+
+
+def _estimate_usage(request: ModelRequest, response: ModelResponse) -> Usage:
+    prompt = (request.system or "") + "".join(
+        m.content + _calls_text(m.tool_calls) for m in request.messages
+    )
+    return Usage(
+        input_tokens=_tokens(prompt),
+        output_tokens=_tokens(response.text + _calls_text(response.tool_calls)),
+    )
+
+
+# --- helpers for scripts ---------------------------------------------------------------------
+
+
+def current_turn(messages: list[Message]) -> tuple[str, list[Message]]:
+    """The last user message's text and the messages after it (this turn so far)."""
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].role is Role.USER:
+            return messages[index].content, messages[index + 1 :]
+    return "", list(messages)
+
+
+def tool_call_id(request: ModelRequest, step: int, tool_name: str) -> str:
+    """A deterministic id, unique within a session because the history only grows."""
+    seed = f"{len(request.messages)}:{step}:{tool_name}"
+    return "toolu_" + hashlib.sha256(seed.encode()).hexdigest()[:24]
+
+
+def final(text: str) -> ModelResponse:
+    """A final answer with no tool calls."""
+    return ModelResponse(text=text, stop_reason="end_turn")
+
+
+def ask(text: str, calls: list[ToolCall]) -> ModelResponse:
+    """An assistant message asking for tool calls."""
+    return ModelResponse(text=text, tool_calls=calls, stop_reason="tool_use")
+
+
+def parse_json(content: str) -> Any:
+    """A tool message's JSON content, or None when it is not JSON."""
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+def is_durability_error(message: Message) -> bool:
+    """Whether a tool message is the durability error of CONTRACT §2."""
+    body = parse_json(message.content)
+    return isinstance(body, dict) and body.get("kind") == "tool-durability-error"
+
+
+# --- built-in scripts ------------------------------------------------------------------------
+
+
+def echo_script(request: ModelRequest) -> ModelResponse:
+    """Answer "echo: <last user text>"."""
+    text, _ = current_turn(request.messages)
+    return final(f"echo: {text}")
+
+
+ORDER_ID = re.compile(r"\b([A-Za-z]{1,4}-\d{1,10})\b")
+DEFAULT_ORDER_ID = "A-1001"
+CUSTOMER = "customer@example.com"
+SLOW_DELAY_S = 15
+
+
+def support_script(request: ModelRequest) -> ModelResponse:
+    """Look up the order, email the customer, then report (the `support` example agent)."""
+    user_text, turn = current_turn(request.messages)
+    match = ORDER_ID.search(user_text)
+    order_id = match.group(1).upper() if match else DEFAULT_ORDER_ID
+    results = {m.tool_name: m for m in turn if m.role is Role.TOOL}
+    step = 1 + sum(1 for m in turn if m.role is Role.ASSISTANT)
+    for result in results.values():
+        if is_durability_error(result):
+            return final(_interrupted_report(result, order_id))
+    if "send_email" in results:
+        return final(_email_report(results["send_email"], order_id))
+    lookup = results.get("lookup_order")
+    if lookup is None:
+        call = ToolCall(
+            tool_call_id(request, step, "lookup_order"), "lookup_order", {"order_id": order_id}
+        )
+        return ask(f"Let me look up order {order_id}.", [call])
+    if lookup.is_error:
+        return final(f"I could not look up order {order_id}: {_error_text(lookup)}")
+    slow = re.search(r"\bslow\b", user_text, re.IGNORECASE) is not None
+    arguments = {
+        "to": CUSTOMER,
+        "subject": f"Your order {order_id}",
+        "body": _order_summary(order_id, parse_json(lookup.content)),
+        "delay_s": SLOW_DELAY_S if slow else 0,
+    }
+    call = ToolCall(tool_call_id(request, step, "send_email"), "send_email", arguments)
+    return ask(f"I found order {order_id}; emailing the customer an update.", [call])
+
+
+def _order_summary(order_id: str, order: Any) -> str:
+    if not isinstance(order, dict):
+        return f"Here is an update on your order {order_id}."
+    items = order.get("items") or []
+    lines = ", ".join(
+        f"{item.get('quantity', 1)} x {item.get('name', '?')}"
+        for item in items
+        if isinstance(item, dict)
+    )
+    return (
+        f"Hello, your order {order_id} is {order.get('status', 'being processed')}: "
+        f"{lines or 'no items'}; total {order.get('total', '?')} {order.get('currency', '')}."
+    ).replace(" .", ".")
+
+
+def _error_text(message: Message) -> str:
+    body = parse_json(message.content)
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return str(body["error"])
+    return message.content
+
+
+def _email_report(result: Message, order_id: str) -> str:
+    if result.is_error:
+        return (
+            f"I looked up order {order_id} but could not email the customer: {_error_text(result)}"
+        )
+    body = parse_json(result.content)
+    message_id = body.get("message_id") if isinstance(body, dict) else None
+    return (
+        f"I looked up order {order_id} and emailed {CUSTOMER} an update"
+        f"{f' (message id {message_id})' if message_id else ''}."
+    )
+
+
+def _interrupted_report(result: Message, order_id: str) -> str:
+    if result.tool_name == "send_email":
+        return (
+            f"I was interrupted while emailing {CUSTOMER} about order {order_id}, so the email "
+            "may or may not have been sent. I will not resend it without checking first: "
+            "please check the outbox (or ask me to send it again if it did not go out)."
+        )
+    return (
+        f"I was interrupted during {result.tool_name} for order {order_id}; it may or may not "
+        "have taken effect. I will not repeat it without checking first."
+    )
+
+
+register_script("echo", echo_script)
+register_script("support", support_script)

@@ -1,0 +1,96 @@
+"""HTTP tools: POST the validated input as JSON to a configured URL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from app.tools.base import ToolContext, ToolFailed
+
+log = logging.getLogger(__name__)
+
+# How much of a response body an error message quotes; enough to diagnose, small enough for
+# the model's context.
+BODY_EXCERPT_CHARS = 500
+
+
+class SharedHttpClient:
+    """One lazily created httpx.AsyncClient shared by every HTTP tool of a registry.
+
+    Created on first use so that loading a registry (for example to list tools from the CLI)
+    opens no connection pool that nobody would close.
+    """
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+
+    def get(self) -> httpx.AsyncClient:
+        """The shared client, created on first call."""
+        if self._client is None:
+            # Redirects are not followed: a 3xx from a tool endpoint is a misconfiguration and
+            # re-POSTing a side effect elsewhere is not ours to decide.
+            self._client = httpx.AsyncClient(follow_redirects=False)
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if it was ever created."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+
+class HttpToolHandler:
+    """A ToolHandler that POSTs its arguments to `url` with the call's Idempotency-Key."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        client: SharedHttpClient,
+        timeout_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.headers = dict(headers or {})
+        self._client = client
+
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        """POST `arguments`; return the 2xx JSON answer or raise ToolFailed."""
+        headers = {**self.headers, "Idempotency-Key": ctx.idempotency_key}
+        try:
+            # httpx timeouts are per phase (connect, read, ...); asyncio.timeout bounds the
+            # whole exchange so a slowly dripping server cannot hold the step for longer.
+            async with asyncio.timeout(self.timeout_s):
+                response = await self._client.get().post(
+                    self.url, json=arguments, headers=headers, timeout=self.timeout_s
+                )
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise ToolFailed(f"timed out after {self.timeout_s:g}s calling {self.url}") from exc
+        except httpx.HTTPError as exc:
+            detail = str(exc) or type(exc).__name__
+            raise ToolFailed(f"request to {self.url} failed: {detail}") from exc
+        return self._result(response)
+
+    def _result(self, response: httpx.Response) -> Any:
+        status = response.status_code
+        if not 200 <= status < 300:
+            excerpt = response.text[:BODY_EXCERPT_CHARS]
+            raise ToolFailed(f"HTTP {status} from {self.url}: {excerpt}")
+        if not response.content.strip():
+            # An empty 2xx (e.g. 204) means the call succeeded with nothing to say. Reporting it
+            # as an error would invite the model to repeat a side effect that already happened.
+            return None
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            excerpt = response.text[:BODY_EXCERPT_CHARS]
+            raise ToolFailed(
+                f"HTTP {status} from {self.url} but the body is not JSON (the request was "
+                f"accepted, so it may have taken effect): {excerpt}"
+            ) from exc

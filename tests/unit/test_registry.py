@@ -1,0 +1,601 @@
+"""The agents file loader and ToolRegistry.execute."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.domain import ToolCall, ToolResult
+from app.errors import AgentNotFound, ConfigError
+from app.tools import registry as registry_module
+from app.tools.base import AgentConfig, Tool, ToolContext, ToolFailed
+from app.tools.registry import ToolRegistry, load_registry
+
+CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_1")
+HERE = "tests.unit.test_registry"
+
+
+# --- python targets referenced by the YAML below ------------------------------------------------
+
+
+async def documented_tool(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+    """Say hello.
+
+    More detail that is not part of the description.
+    """
+    return {"hello": arguments.get("name")}
+
+
+async def undocumented_tool(arguments: dict[str, Any], ctx: ToolContext) -> None:
+    return None
+
+
+def sync_tool(arguments: dict[str, Any], ctx: ToolContext) -> None:
+    """Not async."""
+
+
+async def one_arg_tool(arguments: dict[str, Any]) -> None:
+    """Takes no ctx."""
+
+
+class AsyncCallable:
+    """A callable object tool."""
+
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> str:
+        return "called"
+
+
+class Namespace:
+    @staticmethod
+    async def ping(arguments: dict[str, Any], ctx: ToolContext) -> str:
+        """Ping."""
+        return "pong"
+
+
+callable_object = AsyncCallable()
+NOT_CALLABLE = 42
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "agents.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def config_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_registry(write(tmp_path, text))
+    return str(info.value)
+
+
+def tool_yaml(body: str, *, name: str = "x") -> str:
+    """A file with one tool `name` (entry indented from `body`) and an agent using it."""
+    entry = textwrap.indent(textwrap.dedent(body).strip(), " " * 4)
+    return f"tools:\n  {name}:\n{entry}\nagents:\n  a:\n    model: m\n    tools: [{name}]\n"
+
+
+def agent_yaml(body: str, *, name: str = "a") -> str:
+    entry = textwrap.indent(textwrap.dedent(body).strip(), " " * 4)
+    return f"tools: {{}}\nagents:\n  {name}:\n{entry}\n"
+
+
+# --- loading: the happy paths ------------------------------------------------------------------
+
+
+def test_example_file_loads() -> None:
+    registry = load_registry(None)
+    assert set(registry.tools) == {"clock", "lookup_order", "send_email"}
+    assert set(registry.agents) == {"echo", "support", "claude-support"}
+    assert registry.agent("echo").model == "scripted:echo"
+    assert registry.agent("echo").tools == ()
+    support = registry.agent("support")
+    assert support.model == "scripted:support"
+    assert support.max_iterations == 10
+    assert support.system
+    assert [t.name for t in registry.tools_for(support)] == ["lookup_order", "send_email", "clock"]
+    claude = registry.agent("claude-support")
+    assert claude.model == "claude-sonnet-4-6"
+    assert claude.tools == support.tools
+    assert claude.description is not None
+    assert "ANTHROPIC_API_KEY" in claude.description
+    assert registry.tools["clock"].safe_to_retry
+    assert registry.tools["lookup_order"].safe_to_retry
+    assert not registry.tools["send_email"].safe_to_retry
+
+
+def test_contract_example_loads(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        tools:
+          get_issue:
+            description: Fetch an issue by id
+            input_schema: {type: object, properties: {id: {type: string}}, required: [id]}
+            safe_to_retry: true
+            http: {url: "http://issues.internal/get_issue", timeout_s: 10}
+          post_slack:
+            description: Post a message to a channel
+            input_schema: {type: object, properties: {channel: {type: string}, text: {type: string}}, required: [channel, text]}
+            http: {url: "http://slack-proxy.internal/post"}
+          clock:
+            python: "app.tools.builtin:clock"        # an in-process Python tool
+        agents:
+          triage:
+            model: claude-sonnet-4-6                 # or "scripted:<name>"
+            system: You triage incoming issues.
+            tools: [get_issue, post_slack]
+            max_iterations: 20
+        """,  # noqa: E501 - the contract's example, verbatim
+    )
+    registry = load_registry(path)
+    get_issue = registry.tools["get_issue"]
+    assert get_issue.kind == "http"
+    assert get_issue.target == "http://issues.internal/get_issue"
+    assert get_issue.safe_to_retry
+    assert registry.tools["clock"].kind == "python"
+    assert registry.tools["clock"].target == "app.tools.builtin:clock"
+    assert [t.name for t in registry.tools_for(registry.agent("triage"))] == [
+        "get_issue",
+        "post_slack",
+    ]
+
+
+def test_defaults(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        f"""
+        tools:
+          remote:
+            http: {{url: "https://example.com/t"}}
+          documented:
+            python: "{HERE}:documented_tool"
+          undocumented:
+            python: "{HERE}:undocumented_tool"
+          object_tool:
+            python: "{HERE}:callable_object"
+        agents:
+          a:
+            model: scripted:echo
+        """,
+    )
+    registry = load_registry(path)
+    remote = registry.tools["remote"]
+    assert remote.description == "remote"
+    assert remote.input_schema == {"type": "object", "properties": {}}
+    assert not remote.safe_to_retry
+    assert not remote.parallel
+    assert registry.tools["documented"].description == "Say hello."
+    assert registry.tools["undocumented"].description == "undocumented"
+    assert registry.tools["object_tool"].description == "A callable object tool."
+    agent = registry.agent("a")
+    assert agent == AgentConfig(name="a", model="scripted:echo")
+    assert (agent.max_iterations, agent.stuck_threshold, agent.max_tool_concurrency) == (20, 3, 5)
+    assert (agent.token_budget, agent.max_tokens, agent.journal) == (None, 4096, "per_step")
+
+
+def test_all_agent_fields(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        agent_yaml(
+            """
+            model: m
+            system: sys
+            description: desc
+            max_iterations: 2
+            stuck_threshold: 4
+            max_tool_concurrency: 1
+            token_budget: 1000
+            max_tokens: 100
+            journal: per_step
+            """
+        ),
+    )
+    agent = load_registry(path).agent("a")
+    assert agent == AgentConfig(
+        name="a",
+        model="m",
+        system="sys",
+        description="desc",
+        max_iterations=2,
+        stuck_threshold=4,
+        max_tool_concurrency=1,
+        token_budget=1000,
+        max_tokens=100,
+    )
+
+
+def test_agent_not_found() -> None:
+    registry = ToolRegistry({}, {})
+    with pytest.raises(AgentNotFound):
+        registry.agent("nope")
+    assert registry.tool("nope") is None
+
+
+# --- loading: every ConfigError names the file, the entry and the problem ----------------------
+
+
+def test_unknown_tool_in_agent(tmp_path: Path) -> None:
+    message = config_error(
+        tmp_path,
+        """
+        tools:
+          post_slack: {http: {url: "http://slack/post"}}
+        agents:
+          triage: {model: m, tools: [post_slak]}
+        """,
+    )
+    assert f"{tmp_path / 'agents.yaml'}: agent 'triage': unknown tool 'post_slak'" in message
+
+
+def test_tool_listed_twice(tmp_path: Path) -> None:
+    message = config_error(
+        tmp_path, tool_yaml('http: {url: "http://h/x"}').replace("[x]", "[x, x]")
+    )
+    assert "agents.yaml: agent 'a': tool 'x' is listed twice" in message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "description: neither",
+        f'http: {{url: "http://h/x"}}\npython: "{HERE}:documented_tool"',
+    ],
+    ids=["neither", "both"],
+)
+def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
+    message = config_error(tmp_path, tool_yaml(body))
+    assert "agents.yaml: tool 'x': exactly one of http or python is required" in message
+
+
+@pytest.mark.parametrize(
+    ("schema", "problem"),
+    [
+        ("{type: object, properties: {a: {type: 12}}}", "input_schema is not a valid JSON Schema"),
+        ("{type: object, required: notalist}", "input_schema is not a valid JSON Schema"),
+        ("{type: string}", "input_schema must have type: object"),
+        ("{properties: {a: {type: string}}}", "input_schema must have type: object"),
+        ("[1, 2]", "input_schema: Input should be a valid dictionary"),
+    ],
+)
+def test_invalid_input_schema(tmp_path: Path, schema: str, problem: str) -> None:
+    message = config_error(
+        tmp_path, tool_yaml(f'input_schema: {schema}\nhttp: {{url: "http://h"}}')
+    )
+    assert f"agents.yaml: tool 'x': {problem}" in message
+
+
+def test_invalid_schema_message_says_where(tmp_path: Path) -> None:
+    body = 'input_schema: {type: object, properties: {a: {type: 12}}}\nhttp: {url: "http://h"}'
+    message = config_error(tmp_path, tool_yaml(body))
+    assert "12 is not valid under any of the given schemas" in message
+    assert "$.properties.a.type" in message
+
+
+@pytest.mark.parametrize(
+    ("target", "problem"),
+    [
+        ("no_colon_here", "must look like 'module.path:attr'"),
+        ("tests.unit.does_not_exist:tool", "cannot import 'tests.unit.does_not_exist'"),
+        (f"{HERE}:missing", f"{HERE!r} has no attribute 'missing'"),
+        (f"{HERE}:sync_tool", "is not an async callable"),
+        (f"{HERE}:NOT_CALLABLE", "is not an async callable"),
+        (f"{HERE}:AsyncCallable", "is not an async callable"),
+        (f"{HERE}:one_arg_tool", "must accept (arguments, ctx)"),
+    ],
+)
+def test_bad_python_target(tmp_path: Path, target: str, problem: str) -> None:
+    message = config_error(tmp_path, tool_yaml(f'python: "{target}"'))
+    assert "agents.yaml: tool 'x': python target" in message
+    assert problem in message
+
+
+def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, tool_yaml(f'python: "{HERE}:Namespace.ping"')))
+    assert registry.tools["x"].description == "Ping."
+
+
+@pytest.mark.parametrize(
+    ("http", "problem"),
+    [
+        ('{url: "http://h", timeout_s: 0}', "http.timeout_s: Input should be greater than 0"),
+        ('{url: "http://h", timeout_s: -1}', "http.timeout_s: Input should be greater than 0"),
+        ('{url: "ftp://h/x"}', "http.url 'ftp://h/x' must be an absolute http:// or https:// URL"),
+        ('{url: "/relative"}', "http.url '/relative' must be an absolute http:// or https:// URL"),
+        ("{timeout_s: 1}", "http.url: Field required"),
+        ('{url: "http://h", retries: 3}', "http.retries: Extra inputs are not permitted"),
+        (
+            '{url: "http://h", headers: {Idempotency-Key: k}}',
+            "http.headers must not set Idempotency-Key",
+        ),
+        (
+            '{url: "http://h", headers: {X-N: 1}}',
+            "http.headers.X-N: Input should be a valid string",
+        ),
+    ],
+)
+def test_bad_http_target(tmp_path: Path, http: str, problem: str) -> None:
+    message = config_error(tmp_path, tool_yaml(f"http: {http}"))
+    assert f"agents.yaml: tool 'x': {problem}" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("safe_to_retry", '"yes"', "safe_to_retry: Input should be a valid boolean"),
+        ("parallel", "1", "parallel: Input should be a valid boolean"),
+        ("description", "[a]", "description: Input should be a valid string"),
+        ("retries", "3", "retries: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_tool_field(tmp_path: Path, field: str, value: str, problem: str) -> None:
+    message = config_error(tmp_path, tool_yaml(f'{field}: {value}\nhttp: {{url: "http://h"}}'))
+    assert f"agents.yaml: tool 'x': {problem}" in message
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["max_iterations", "stuck_threshold", "max_tool_concurrency", "token_budget", "max_tokens"],
+)
+def test_agent_limits_must_be_positive(tmp_path: Path, field: str) -> None:
+    message = config_error(tmp_path, agent_yaml(f"model: m\n{field}: 0"))
+    assert f"agents.yaml: agent 'a': {field}: Input should be greater than or equal to 1" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ("system: s", "model: Field required"),
+        ('model: ""', "model: String should have at least 1 character"),
+        ("model: m\nmax_iterations: 2.5", "max_iterations: Input should be a valid integer"),
+        ("model: m\njournal: sometimes", "journal: Input should be 'per_step' or 'per_call'"),
+        ("model: m\ntemperature: 0", "temperature: Extra inputs are not permitted"),
+        ("model: m\ntools: lookup_order", "tools: Input should be a valid list"),
+    ],
+)
+def test_bad_agent_field(tmp_path: Path, body: str, problem: str) -> None:
+    message = config_error(tmp_path, agent_yaml(body))
+    assert f"agents.yaml: agent 'a': {problem}" in message
+
+
+def test_per_call_journal_is_refused(tmp_path: Path) -> None:
+    message = config_error(tmp_path, agent_yaml("model: m\njournal: per_call"))
+    assert "agents.yaml: agent 'a': per_call journal is not supported yet" in message
+
+
+@pytest.mark.parametrize("name", ["bad name", "x" * 65, "dots.not.allowed", "é"])
+def test_invalid_names(tmp_path: Path, name: str) -> None:
+    tool_message = config_error(tmp_path, tool_yaml('http: {url: "http://h"}', name=f'"{name}"'))
+    assert f"agents.yaml: tool {name!r}: invalid name" in tool_message
+    agent_message = config_error(tmp_path, agent_yaml("model: m", name=f'"{name}"'))
+    assert f"agents.yaml: agent {name!r}: invalid name" in agent_message
+
+
+def test_non_string_name(tmp_path: Path) -> None:
+    message = config_error(tmp_path, agent_yaml("model: m", name="123"))
+    assert "agents.yaml: agent 123: name must be a string" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("tools: {a: [unclosed\n", "invalid YAML"),
+        ("agents:\n  a: {model: m}\n  a: {model: n}\n", "duplicate key 'a'"),
+        ("", "expected a mapping with 'tools' and 'agents', got an empty file"),
+        ("- a\n- b\n", "expected a mapping with 'tools' and 'agents', got list"),
+        ("agents: {}\nmodels: {}\n", "models: Extra inputs are not permitted"),
+        ("tools: [a]\n", "tools: Input should be a valid dictionary"),
+    ],
+)
+def test_bad_file(tmp_path: Path, text: str, problem: str) -> None:
+    message = config_error(tmp_path, text)
+    assert message.startswith(f"{tmp_path / 'agents.yaml'}: ")
+    assert problem in message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read the agents file"):
+        load_registry(tmp_path / "nope.yaml")
+
+
+def test_every_problem_is_reported(tmp_path: Path) -> None:
+    message = config_error(
+        tmp_path,
+        """
+        tools:
+          t1: {description: no target}
+        agents:
+          a1: {model: m, tools: [missing]}
+          a2: {model: m, journal: per_call}
+        """,
+    )
+    lines = message.splitlines()
+    assert len(lines) == 3
+    assert "tool 't1': exactly one of http or python is required" in lines[0]
+    assert "agent 'a1': unknown tool 'missing'" in lines[1]
+    assert "agent 'a2': per_call journal is not supported yet" in lines[2]
+
+
+# --- execute -----------------------------------------------------------------------------------
+
+
+class Recorder:
+    """A handler that records its calls and then behaves as told."""
+
+    def __init__(self, outcome: Any = None, *, raises: BaseException | None = None) -> None:
+        self.calls: list[tuple[dict[str, Any], ToolContext]] = []
+        self.outcome = outcome
+        self.raises = raises
+
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        self.calls.append((arguments, ctx))
+        if self.raises is not None:
+            raise self.raises
+        return self.outcome
+
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def make_registry(handler: Recorder, *, schema: dict[str, Any] | None = None) -> ToolRegistry:
+    tool = Tool(name="t", description="d", input_schema=schema or SCHEMA, handler=handler)
+    return ToolRegistry({"t": tool}, {"a": AgentConfig(name="a", model="m", tools=("t",))})
+
+
+def error_of(result: ToolResult) -> str:
+    assert result.is_error
+    body = json.loads(result.content)
+    assert set(body) == {"error"}
+    return str(body["error"])
+
+
+async def test_ok_result_and_context_passed() -> None:
+    handler = Recorder({"ok": True, "n": 1})
+    registry = make_registry(handler)
+    call = ToolCall("toolu_1", "t", {"n": 1})
+    result = await registry.execute(call, CTX, allowed={"t"})
+    assert result == ToolResult("toolu_1", "t", '{"ok":true,"n":1}', False)
+    assert handler.calls == [({"n": 1}, CTX)]
+
+
+async def test_unknown_tool() -> None:
+    handler = Recorder()
+    registry = make_registry(handler)
+    result = await registry.execute(ToolCall("c", "nope", {}), CTX, allowed={"t", "nope"})
+    assert error_of(result) == "unknown tool 'nope'"
+    assert (result.tool_call_id, result.tool_name) == ("c", "nope")
+
+
+async def test_tool_not_allowed_is_unknown() -> None:
+    handler = Recorder()
+    registry = make_registry(handler)
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed=())
+    assert error_of(result) == "unknown tool 't'"
+    assert handler.calls == []
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problems"),
+    [
+        ({}, ["'n' is a required property"]),
+        ({"n": "1"}, ["'1' is not of type 'integer'", "(at $.n)"]),
+        ({"n": -1}, ["-1 is less than the minimum of 0", "(at $.n)"]),
+        ({"n": 1, "tags": ["a", 2]}, ["2 is not of type 'string'", "(at $.tags[1])"]),
+        ({"n": 1, "extra": True}, ["Additional properties are not allowed ('extra'"]),
+    ],
+)
+async def test_invalid_arguments(arguments: dict[str, Any], problems: list[str]) -> None:
+    handler = Recorder()
+    registry = make_registry(handler)
+    result = await registry.execute(ToolCall("c", "t", arguments), CTX, allowed={"t"})
+    message = error_of(result)
+    assert message.startswith("invalid arguments for tool 't': ")
+    for problem in problems:
+        assert problem in message
+    assert handler.calls == []
+
+
+async def test_validators_are_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = make_registry(Recorder({}))
+
+    def no_compiling(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("validator compiled per call")
+
+    monkeypatch.setattr(registry_module, "Draft202012Validator", no_compiling)
+    for n in range(3):
+        result = await registry.execute(ToolCall(f"c{n}", "t", {"n": n}), CTX, allowed={"t"})
+        assert not result.is_error
+
+
+async def test_tool_failed_message_is_the_result() -> None:
+    registry = make_registry(Recorder(raises=ToolFailed("order not found")))
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result) == "order not found"
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (ValueError("bad value"), "ValueError: bad value"),
+        (RuntimeError(), "RuntimeError"),
+        (KeyError("k"), "KeyError: 'k'"),
+        (TimeoutError(), "TimeoutError"),
+    ],
+)
+async def test_handler_exception_becomes_error_result(exc: Exception, expected: str) -> None:
+    registry = make_registry(Recorder(raises=exc))
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result) == expected
+
+
+@pytest.mark.parametrize("value", [object(), {1, 2}, {"x": math.nan}, [math.inf]])
+async def test_non_serialisable_return_value(value: Any) -> None:
+    registry = make_registry(Recorder(value))
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result).startswith("tool 't' returned a value that is not JSON-serialisable")
+
+
+async def test_cancellation_propagates() -> None:
+    registry = make_registry(Recorder(raises=asyncio.CancelledError()))
+    with pytest.raises(asyncio.CancelledError):
+        await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+
+
+async def test_cancelling_a_running_handler_propagates() -> None:
+    started = asyncio.Event()
+
+    async def hang(arguments: dict[str, Any], ctx: ToolContext) -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=hang)
+    registry = ToolRegistry({"t": tool}, {})
+    task = asyncio.create_task(registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"}))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_broken_schema_does_not_raise() -> None:
+    # Constructed directly (not loaded), so nothing checked the schema.
+    broken: dict[str, Any] = {"type": "object", "$ref": "https://unreachable.invalid/x.json"}
+    handler = Recorder()
+    registry = make_registry(handler, schema=broken)
+    result = await registry.execute(ToolCall("c", "t", {}), CTX, allowed={"t"})
+    assert error_of(result).startswith("cannot validate arguments for tool 't'")
+    assert handler.calls == []
+
+
+async def test_tool_added_after_construction_is_validated() -> None:
+    registry = ToolRegistry({}, {})
+    handler = Recorder("ok")
+    registry.tools["t"] = Tool(name="t", description="d", input_schema=SCHEMA, handler=handler)
+    bad = await registry.execute(ToolCall("c", "t", {}), CTX, allowed={"t"})
+    assert error_of(bad).startswith("invalid arguments")
+    good = await registry.execute(ToolCall("c", "t", {"n": 0}), CTX, allowed={"t"})
+    assert good.content == '"ok"'
+
+
+async def test_python_tool_loaded_from_file_executes(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, tool_yaml(f'python: "{HERE}:documented_tool"')))
+    call = ToolCall("c", "x", {"name": "Ada"})
+    result = await registry.execute(call, CTX, allowed=registry.agent("a").tools)
+    assert json.loads(result.content) == {"hello": "Ada"}
+    await registry.aclose()

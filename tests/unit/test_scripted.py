@@ -1,0 +1,197 @@
+"""The offline scripted model and its built-in `echo` and `support` scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.domain import Message, ToolCall, ToolResult, Usage, durability_error
+from app.llm.base import LLMError, ModelRequest, ModelResponse
+from app.llm.scripted import ScriptedLLMClient, register_script
+from app.tools.base import ToolContext
+from app.tools.builtin.orders import fake_order
+from app.tools.registry import load_registry
+
+
+def request(messages: list[Message], *, model: str = "scripted:support") -> ModelRequest:
+    return ModelRequest(model=model, system="sys", messages=messages, tools=[], max_tokens=100)
+
+
+async def complete(messages: list[Message], *, model: str = "scripted:support") -> ModelResponse:
+    client = ScriptedLLMClient()
+    try:
+        return await client.complete(request(messages, model=model))
+    finally:
+        await client.aclose()
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+async def test_echo() -> None:
+    history = [Message.user("first"), Message.assistant("echo: first"), Message.user("hi there")]
+    response = await complete(history, model="scripted:echo")
+    assert response.text == "echo: hi there"
+    assert response.tool_calls == []
+    assert response.stop_reason == "end_turn"
+    assert response.usage.output_tokens == pytest.approx(len("echo: hi there") / 4, abs=1)
+    prompt_chars = len("sys") + sum(len(m.content) for m in history)
+    assert response.usage.input_tokens == pytest.approx(prompt_chars / 4, abs=1)
+
+
+@pytest.mark.parametrize("model", ["scripted:nope", "claude-sonnet-4-6", "scripted:"])
+async def test_unknown_model(model: str) -> None:
+    with pytest.raises(LLMError) as info:
+        await complete([Message.user("x")], model=model)
+    assert info.value.type == "invalid_request_error"
+    assert not info.value.retryable
+    assert "unknown scripted model" in info.value.message
+    assert model in info.value.message
+
+
+async def test_register_script_and_own_usage() -> None:
+    def fixed(req: ModelRequest) -> ModelResponse:
+        return ModelResponse(text="fixed", usage=Usage(7, 3), stop_reason="end_turn")
+
+    register_script("test-fixed-usage", fixed)
+    response = await complete([Message.user("x")], model="scripted:test-fixed-usage")
+    assert (response.text, response.usage) == ("fixed", Usage(7, 3))
+
+
+async def test_explicit_script_table_replaces_the_builtins() -> None:
+    client = ScriptedLLMClient({"only": lambda req: ModelResponse(text="only")})
+    response = await client.complete(request([Message.user("x")], model="scripted:only"))
+    assert response.text == "only"
+    assert response.usage.total > 0
+    with pytest.raises(LLMError):
+        await client.complete(request([Message.user("x")], model="scripted:echo"))
+
+
+# --- the support script ------------------------------------------------------------------------
+
+CTX = ToolContext(session_id="s", run_id="r", tool_call_id="unused")
+
+
+async def run_turn(
+    history: list[Message], text: str, outbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[ModelResponse]:
+    """Drive the support script through one turn against the real example tools."""
+    monkeypatch.setenv("DEMO_OUTBOX", str(outbox))
+    registry = load_registry(None)
+    allowed = registry.agent("support").tools
+    history.append(Message.user(text))
+    responses = []
+    try:
+        for _ in range(5):
+            response = await complete(history)
+            responses.append(response)
+            history.append(Message.assistant(response.text, response.tool_calls))
+            if not response.tool_calls:
+                return responses
+            for call in response.tool_calls:
+                ctx = ToolContext("s", "r", call.id)
+                result = await registry.execute(call, ctx, allowed=allowed)
+                history.append(Message.tool(result))
+    finally:
+        await registry.aclose()
+    raise AssertionError("support script did not finish")
+
+
+async def test_support_happy_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    history: list[Message] = []
+    outbox = tmp_path / "outbox.jsonl"
+    lookup, email, report = await run_turn(
+        history, "Where is my order b-2002?", outbox, monkeypatch
+    )
+
+    [lookup_call] = lookup.tool_calls
+    assert (lookup_call.name, lookup_call.arguments) == ("lookup_order", {"order_id": "B-2002"})
+    assert lookup.stop_reason == "tool_use"
+    assert lookup.text
+
+    [email_call] = email.tool_calls
+    assert email_call.name == "send_email"
+    order = fake_order("B-2002")
+    assert email_call.arguments["to"] == "customer@example.com"
+    assert email_call.arguments["subject"] == "Your order B-2002"
+    assert email_call.arguments["delay_s"] == 0
+    assert order["status"] in email_call.arguments["body"]
+    assert str(order["total"]) in email_call.arguments["body"]
+
+    assert report.tool_calls == []
+    sent = json.loads(history[-2].content)
+    assert sent["message_id"] in report.text
+    assert "B-2002" in report.text
+    [record] = [json.loads(line) for line in outbox.read_text().splitlines()]
+    assert record["tool_call_id"] == email_call.id
+
+
+async def test_support_default_order_and_slow(tmp_path: Path) -> None:
+    first = await complete([Message.user("hello, please go slow")])
+    assert first.tool_calls[0].arguments == {"order_id": "A-1001"}
+    history = [
+        Message.user("hello, please go slow"),
+        Message.assistant(first.text, first.tool_calls),
+        Message.tool(ToolResult.ok(first.tool_calls[0], fake_order("A-1001"))),
+    ]
+    second = await complete(history)
+    assert second.tool_calls[0].arguments["delay_s"] == 15
+
+
+async def test_support_reports_a_durability_error() -> None:
+    call = ToolCall("toolu_1", "send_email", {"to": "customer@example.com"})
+    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
+    history = [
+        Message.user("order A-7 please"),
+        Message.assistant("", [lookup]),
+        Message.tool(ToolResult.ok(lookup, fake_order("A-7"))),
+        Message.assistant("", [call]),
+        Message.tool(durability_error("send_email", "toolu_1")),
+    ]
+    response = await complete(history)
+    assert response.tool_calls == []
+    assert "may or may not have been sent" in response.text
+    assert "will not resend it without checking" in response.text
+
+
+async def test_support_reports_tool_errors() -> None:
+    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
+    failed_lookup = [
+        Message.user("order A-7"),
+        Message.assistant("", [lookup]),
+        Message.tool(ToolResult.error(lookup, "order service down")),
+    ]
+    response = await complete(failed_lookup)
+    assert response.tool_calls == []
+    assert response.text == "I could not look up order A-7: order service down"
+
+    email = ToolCall("toolu_1", "send_email", {})
+    failed_email = [
+        *failed_lookup[:2],
+        Message.tool(ToolResult.ok(lookup, fake_order("A-7"))),
+        Message.assistant("", [email]),
+        Message.tool(ToolResult.error(email, "smtp refused")),
+    ]
+    response = await complete(failed_email)
+    assert response.tool_calls == []
+    assert "could not email the customer: smtp refused" in response.text
+
+
+async def test_support_is_deterministic_with_unique_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    history: list[Message] = []
+    outbox = tmp_path / "outbox.jsonl"
+    first_turn = await run_turn(history, "order A-1", outbox, monkeypatch)
+    second_turn = await run_turn(history, "order A-1 again", outbox, monkeypatch)
+    ids = [c.id for r in first_turn + second_turn for c in r.tool_calls]
+    assert len(ids) == 4
+    assert len(set(ids)) == 4
+    assert all(i.startswith("toolu_") for i in ids)
+
+    # Asking again with the same history gives the same answer (what resume relies on).
+    prefix = history[:1]
+    assert await complete(prefix) == await complete(list(prefix))
+    assert (await complete(prefix)).tool_calls == first_turn[0].tool_calls

@@ -1,0 +1,54 @@
+"""The agents file the HTTP-level tests use: HTTP tools on the ToolServer, fake-model plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TEMPLATE = """
+tools:
+  get_issue:
+    description: Fetch an issue by id
+    input_schema: {{type: object, properties: {{id: {{type: string}}}}, required: [id]}}
+    safe_to_retry: true
+    http: {{url: "{tools}/get_issue", timeout_s: 10}}
+  post_slack:
+    description: Post a message to a channel
+    input_schema:
+      type: object
+      properties: {{channel: {{type: string}}, text: {{type: string}}}}
+      required: [channel, text]
+    http: {{url: "{tools}/post_slack"}}
+  slow_post:
+    description: A side effect that takes its time
+    input_schema: {{type: object, properties: {{text: {{type: string}}}}, required: [text]}}
+    http: {{url: "{tools}/slow_post", timeout_s: 60}}
+agents:
+  triage:
+    model: "plan:get_issue,post_slack"
+    system: You triage incoming issues.
+    tools: [get_issue, post_slack]
+  two-steps:
+    model: "plan:get_issue;post_slack"
+    tools: [get_issue, post_slack]
+  slow:
+    model: "plan:get_issue,slow_post"
+    tools: [get_issue, slow_post]
+  ten-steps:
+    model: "steps:10:get_issue"
+    tools: [get_issue]
+    max_iterations: 20
+  echo:
+    model: echo
+  broken-model:
+    model: "fail:500"
+    tools: [get_issue]
+  overloaded:
+    model: "fail:529"
+"""
+
+
+def write_agents_file(directory: Path, tools_url: str) -> Path:
+    """Write the test agents file pointing at `tools_url`; its path."""
+    path = directory / "agents.yaml"
+    path.write_text(TEMPLATE.format(tools=tools_url))
+    return path

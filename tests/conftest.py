@@ -124,3 +124,13 @@ def tool_server(tool_server_session: ToolServer) -> ToolServer:
 def _demo_outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The example send_email tool appends to DEMO_OUTBOX; keep it out of the working tree.
     monkeypatch.setenv("DEMO_OUTBOX", str(tmp_path / "outbox.jsonl"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In CI (AGENT_RUNNER_REQUIRE_POSTGRES=1) a skipped PostgreSQL test is a failure."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]  # pluggy's result object
+    if REQUIRE_POSTGRES and report.skipped and "postgres" in item.keywords:
+        report.outcome = "failed"
+        report.longrepr = f"PostgreSQL test skipped in CI: {report.longrepr}"

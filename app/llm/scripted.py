@@ -80,6 +80,16 @@ def current_turn(messages: list[Message]) -> tuple[str, list[Message]]:
     return "", list(messages)
 
 
+def repaired_before_turn(messages: list[Message]) -> list[Message]:
+    """The tool messages directly before the last user message (a resumed turn's repairs)."""
+    index = max((i for i, m in enumerate(messages) if m.role is Role.USER), default=0)
+    found: list[Message] = []
+    while index > 0 and messages[index - 1].role is Role.TOOL:
+        index -= 1
+        found.insert(0, messages[index])
+    return found
+
+
 def tool_call_id(request: ModelRequest, step: int, tool_name: str) -> str:
     """A deterministic id, unique within a session because the history only grows."""
     seed = f"{len(request.messages)}:{step}:{tool_name}"
@@ -132,7 +142,9 @@ def support_script(request: ModelRequest) -> ModelResponse:
     order_id = match.group(1).upper() if match else DEFAULT_ORDER_ID
     results = {m.tool_name: m for m in turn if m.role is Role.TOOL}
     step = 1 + sum(1 for m in turn if m.role is Role.ASSISTANT)
-    for result in results.values():
+    # After a crash, the repaired results of the interrupted turn reach the model in the same
+    # API message as this turn's text, so they count as this turn's news.
+    for result in [*results.values(), *repaired_before_turn(request.messages)]:
         if is_durability_error(result):
             return final(_interrupted_report(result, order_id))
     if "send_email" in results:

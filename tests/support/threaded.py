@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from types import TracebackType
+from typing import Self
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -23,7 +24,7 @@ class ThreadedServer:
         self._thread: threading.Thread | None = None
         self.url = ""
 
-    def start(self) -> ThreadedServer:
+    def start(self) -> Self:
         """Bind, serve, and return once accepting connections."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -66,7 +67,7 @@ class ThreadedServer:
             self._sock.close()
             self._sock = None
 
-    def __enter__(self) -> ThreadedServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(

@@ -1,0 +1,35 @@
+# Everything a fresh clone needs: `make run` serves, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: install run test lint format clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/agent-runner serve
+
+test: install
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check app tests migrations
+	$(BIN)/ruff format --check app tests migrations
+	$(BIN)/mypy app tests
+	$(BIN)/hadolint Dockerfile
+
+format: install
+	$(BIN)/ruff format app tests migrations
+	$(BIN)/ruff check --fix app tests migrations
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -90,13 +90,13 @@ class SessionBusy(AppError):
 
 
 class SessionConflict(SessionBusy):
-    """Another writer changed the session under this run (detected at a durable write)."""
+    """This runner lost the session to another (found at a durable write or before a dispatch)."""
 
     def __init__(self, session_id: str) -> None:
         super().__init__(session_id, None)
         self.detail = (
-            f"Session {session_id!r} was written by another run while this one was in progress; "
-            "this run stopped without writing further."
+            f"This runner no longer owns session {session_id!r} (another runner took it over); "
+            "it stopped without writing or dispatching anything further."
         )
 
 
@@ -130,3 +130,24 @@ class DatabaseUnavailable(AppError):
 
 class ConfigError(Exception):
     """The agents file or another configuration input is invalid (raised at start)."""
+
+
+class IdempotencyKeyReused(AppError):
+    code = "idempotency_key_reused"
+    status = 422
+    title = "Idempotency-Key reused with another body"
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"Idempotency-Key {key!r} was first used with a different request body on this "
+            "session; use a new key for a new turn."
+        )
+
+
+class Unauthorized(AppError):
+    code = "unauthorized"
+    status = 401
+    title = "Unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}

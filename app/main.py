@@ -5,20 +5,22 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from app.api import problems
-from app.api.deps import Services
+from app.api.auth import ApiKeys
+from app.api.deps import Services, get_tenant
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
 from app.db.migrate import head_revision
-from app.db.session import Database
+from app.db.session import Database, asyncpg_dsn
 from app.failpoints import Failpoints
 from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
+from app.services.ownership import LocalOwnership, Ownership, PostgresOwnership
 from app.services.runner import AgentRunner
-from app.services.runs import ActiveRuns, RunService
+from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.settings import Settings
 from app.tools.registry import load_registry
@@ -29,11 +31,23 @@ def _operation_id(route: APIRoute) -> str:
     return route.name
 
 
+def build_ownership(db: Database, settings: Settings) -> Ownership:
+    """Advisory locks where replicas can share the store (PostgreSQL); in-process otherwise."""
+    if db.dialect == "postgresql":
+        return PostgresOwnership(
+            asyncpg_dsn(settings.database_url),
+            heartbeat_s=settings.session_heartbeat_s,
+            takeover_after_s=settings.session_takeover_after_s,
+        )
+    return LocalOwnership()
+
+
 def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None) -> FastAPI:
     """Build the app; engine, clients and registry are created by the lifespan."""
     settings = settings or Settings()
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file)
+    api_keys = ApiKeys.parse(settings.api_keys.get_secret_value()) if settings.api_keys else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -41,18 +55,21 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         model = llm or ModelRouter.from_settings(
             max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
         )
-        active = ActiveRuns()
+        ownership = build_ownership(db, settings)
+        await ownership.start()
         runner = AgentRunner(llm=model, registry=registry)
         app.state.services = Services(
             db=db,
             registry=registry,
-            runs=RunService(db.sessions, db.durable, registry, runner, failpoints, active),
-            sessions=SessionService(db.sessions, active),
+            runs=RunService(db.sessions, db.durable, registry, runner, failpoints, ownership),
+            sessions=SessionService(db.sessions, ownership),
             head_revision=head_revision() if db.durable else None,
+            api_keys=api_keys,
         )
         try:
             yield
         finally:
+            await ownership.stop()
             await model.aclose()
             await registry.aclose()
             await db.dispose()
@@ -65,7 +82,8 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         generate_unique_id_function=_operation_id,
     )
     problems.install(app)
-    for module in (runs, sessions, agents, health):
-        app.include_router(module.router)
+    for module in (runs, sessions, agents):
+        app.include_router(module.router, dependencies=[Depends(get_tenant)])
+    app.include_router(health.router)
     app.add_middleware(BodySizeLimit)
     return app

@@ -21,4 +21,8 @@ class Settings(BaseSettings):
     anthropic_max_retries: int = Field(default=2, ge=0, le=10)
     anthropic_timeout_s: float = Field(default=600.0, gt=0)
     database_pool_size: int = Field(default=10, ge=1)
+    # PostgreSQL session ownership: the lock connection's heartbeat, and how long a holder may
+    # miss it before another runner takes its sessions over (services/ownership.py).
+    session_heartbeat_s: float = Field(default=0.5, gt=0)
+    session_takeover_after_s: float = Field(default=3.0, gt=0)
     log_level: str = "INFO"

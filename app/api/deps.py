@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from app.api.auth import ApiKeys
 from app.db.session import Database
 from app.services.runs import RunService
 from app.services.sessions import SessionService
@@ -22,6 +24,7 @@ class Services:
     runs: RunService
     sessions: SessionService
     head_revision: str | None
+    api_keys: ApiKeys | None
 
 
 def get_services(request: Request) -> Services:
@@ -48,10 +51,18 @@ def get_registry(services: ServicesDep) -> ToolRegistry:
     return services.registry
 
 
-def get_tenant(request: Request) -> str | None:
+_bearer = HTTPBearer(auto_error=False, description="An API key from API_KEYS, when it is set.")
+
+
+def get_tenant(
+    services: ServicesDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str | None:
     """The caller's tenant; None while API_KEYS is unset (a single-tenant service)."""
-    tenant: str | None = getattr(request.state, "tenant_id", None)
-    return tenant
+    if services.api_keys is None:
+        return None
+    token = credentials.credentials if credentials is not None else None
+    return services.api_keys.tenant(f"Bearer {token}" if token else None)
 
 
 RunServiceDep = Annotated[RunService, Depends(get_run_service)]

@@ -59,10 +59,16 @@ class Run(Base):
     error_type: Mapped[str | None] = mapped_column(String(64))
     error_message: Mapped[str | None] = mapped_column(Text)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    # Idempotency-Key of the request that started this turn, and a hash of its body.
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_fingerprint: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
-    __table_args__ = (Index(None, "session_id", "created_at"),)
+    __table_args__ = (
+        Index(None, "session_id", "created_at"),
+        UniqueConstraint("session_id", "idempotency_key"),
+    )
 
 
 class Message(Base):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Select, delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
@@ -83,11 +83,19 @@ class SessionRepository:
             )
         )
 
-    async def advance(self, session_id: str, *, expected: int, new: int, now: datetime) -> bool:
-        """Compare-and-set `message_count` from `expected` to `new`; False if someone else wrote."""
+    async def advance(
+        self,
+        session_id: str,
+        *,
+        expected: int,
+        new: int,
+        now: datetime,
+        fence: ColumnElement[bool],
+    ) -> bool:
+        """Compare-and-set `message_count` while `fence` holds; False if someone else wrote."""
         result = await self._s.execute(
             update(models.Session)
-            .where(models.Session.id == session_id, models.Session.message_count == expected)
+            .where(models.Session.id == session_id, models.Session.message_count == expected, fence)
             .values(message_count=new, updated_at=now)
             .execution_options(synchronize_session=False)
         )
@@ -216,16 +224,22 @@ class RunRepository:
             .execution_options(synchronize_session=False)
         )
 
-    async def mark_interrupted(self, session_id: str, *, now: datetime) -> list[str]:
-        """Mark the session's unfinished runs `interrupted` (their runner is gone); their ids."""
-        result = await self._s.execute(
-            update(models.Run)
-            .where(models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING)
-            .values(status=RunStatus.INTERRUPTED, finished_at=now)
-            .returning(models.Run.id)
-            .execution_options(synchronize_session=False)
+    async def by_idempotency_key(self, session_id: str, key: str) -> models.Run | None:
+        """The session's run started under `key`, if any."""
+        return await self._s.scalar(
+            select(models.Run).where(
+                models.Run.session_id == session_id, models.Run.idempotency_key == key
+            )
         )
-        return list(result.scalars())
+
+    async def latest_running(self, session_id: str) -> str | None:
+        """The newest run of the session still marked `running`."""
+        return await self._s.scalar(
+            select(models.Run.id)
+            .where(models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING)
+            .order_by(models.Run.created_at.desc())
+            .limit(1)
+        )
 
     async def unfinished(self, session_id: str) -> list[str]:
         """Ids of the session's runs still marked `running`."""

@@ -44,6 +44,12 @@ def async_url(database_url: str) -> str:
     )
 
 
+def asyncpg_dsn(database_url: str) -> str:
+    """The plain libpq-style DSN asyncpg.connect takes, for a postgresql:// DATABASE_URL."""
+    url = make_url(database_url).set(drivername="postgresql")
+    return url.render_as_string(hide_password=False)
+
+
 def _configure_sqlite(engine: AsyncEngine) -> None:
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -86,7 +92,15 @@ class Database:
         memory = database_url == MEMORY_URL
         kwargs: dict[str, Any] = {}
         if url.startswith("postgresql"):
-            kwargs = {"pool_size": pool_size, "max_overflow": pool_size, "pool_pre_ping": True}
+            kwargs = {
+                "pool_size": pool_size,
+                "max_overflow": pool_size,
+                "pool_pre_ping": True,
+                # A stalled runner's open transaction must not block its successor for long.
+                "connect_args": {
+                    "server_settings": {"idle_in_transaction_session_timeout": "5000"}
+                },
+            }
         engine = create_async_engine(url, **kwargs)
         if engine.dialect.name == "sqlite":
             _configure_sqlite(engine)

@@ -1,9 +1,10 @@
 """The durable writes of a turn (CONTRACT §2), each one short transaction.
 
 Every write appends messages with the next `seq` values and advances the session's
-`message_count` with a compare-and-set in the same transaction. A second writer on the same
-session therefore fails its write instead of interleaving (SessionConflict), and a repeated
-write conflicts on `(session_id, seq)` instead of duplicating.
+`message_count` with a compare-and-set, in the same statement as the ownership fence
+(services/ownership.py): a runner that lost the session, or a second writer, fails its write
+instead of interleaving (SessionConflict), and a repeated write conflicts on
+`(session_id, seq)` instead of duplicating.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -22,6 +24,7 @@ from app.db.repositories import MessageRepository, RunRepository, SessionReposit
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
+from app.services.ownership import Ownership
 
 
 @dataclass
@@ -36,6 +39,8 @@ class Turn:
     user_id: str | None = None
     session_metadata: dict[str, Any] = field(default_factory=dict)
     run_metadata: dict[str, Any] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    fingerprint: str | None = None
     stored_count: int = 0
     session_exists: bool = False
     run_stored: bool = False
@@ -47,7 +52,7 @@ class Turn:
     messages: list[Message] = field(default_factory=list)
 
     def run_values(self) -> dict[str, Any]:
-        """Columns of the run row as they stand."""
+        """Columns of the run row that change as it goes."""
         return {
             "iterations": self.iterations,
             "input_tokens": self.usage.input_tokens,
@@ -66,9 +71,17 @@ class RunEnd:
 class Journal:
     """Stateless runs: the same calls, nothing written."""
 
+    async def record_start(
+        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        """Start of a turn: the run, results for orphaned calls, runs found dead."""
+
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
         assistant.run_id = turn.run_id
+
+    def check_owned(self, turn: Turn) -> None:
+        """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         """Write #2: every tool result of the step, or none."""
@@ -76,24 +89,50 @@ class Journal:
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         """End of turn: the final answer (and the user message) and the run's outcome."""
 
-    async def record_repair(
-        self, turn: Turn, results: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        """Resume: results for orphaned calls, and unfinished runs marked interrupted."""
-
 
 class DurableJournal(Journal):
-    """Writes each step of a session's turn in its own transaction."""
+    """Writes each step of a session's turn in its own fenced transaction."""
 
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], failpoints: Failpoints) -> None:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        failpoints: Failpoints,
+        ownership: Ownership,
+    ) -> None:
         self._sessions = sessions
         self._failpoints = failpoints
+        self._ownership = ownership
+
+    async def record_start(
+        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        assert turn.session_id is not None
+        async with self._begin(turn) as session:
+            now = utcnow()
+            if not await session.scalar(select(self._ownership.fence(turn.session_id))):
+                raise SessionConflict(turn.session_id)
+            await self._advance(session, turn, repairs, now=now)
+            runs = RunRepository(session)
+            for run_id in interrupted:
+                await runs.update(
+                    run_id, {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
+                )
+            if turn.run_stored:
+                await runs.update(turn.run_id, {"status": RunStatus.RUNNING.value})
+            else:
+                await runs.insert(self._new_run(turn))
+        self._appended(turn, repairs)
+        turn.run_stored = True
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         assistant.run_id = turn.run_id
         self._failpoints.reach("before-write-1")
         await self._append(turn, [assistant], store_user=True)
         self._failpoints.reach("after-write-1")
+
+    def check_owned(self, turn: Turn) -> None:
+        assert turn.session_id is not None
+        self._ownership.check(turn.session_id)
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         for message in results:
@@ -104,7 +143,6 @@ class DurableJournal(Journal):
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         values = {
-            **turn.run_values(),
             "status": end.status.value,
             "response": end.response,
             "error_type": end.error_type,
@@ -118,22 +156,6 @@ class DurableJournal(Journal):
         batch = [final] if final is not None else []
         await self._append(turn, batch, store_user=final is not None, run_values=values)
 
-    async def record_repair(
-        self, turn: Turn, results: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        if not results and not interrupted:
-            return
-        async with self._begin(turn) as session:
-            now = utcnow()
-            if results:
-                await self._advance(session, turn, results, now=now)
-            runs = RunRepository(session)
-            for run_id in interrupted:
-                await runs.update(
-                    run_id, {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
-                )
-        turn.stored_count += len(results)
-
     async def _append(
         self,
         turn: Turn,
@@ -143,26 +165,19 @@ class DurableJournal(Journal):
         run_values: dict[str, Any] | None = None,
         failpoint: str | None = None,
     ) -> None:
-        """Append messages (after the user message, if due) and create or update the run."""
+        """Append messages (after the user message, if due) and update the run."""
         batch = list(messages)
         with_user = store_user and not turn.user_stored
         if with_user:
             turn.user_message.run_id = turn.run_id
             batch.insert(0, turn.user_message)
         async with self._begin(turn) as session:
-            now = utcnow()
-            await self._advance(session, turn, batch, now=now)
-            runs = RunRepository(session)
-            if not turn.run_stored:
-                await runs.insert(self._new_run(turn, now) | (run_values or turn.run_values()))
-            else:
-                await runs.update(turn.run_id, run_values or turn.run_values())
+            await self._advance(session, turn, batch, now=utcnow())
+            await RunRepository(session).update(turn.run_id, turn.run_values() | (run_values or {}))
             if failpoint is not None:
                 await session.flush()
                 self._failpoints.reach(failpoint)
-        turn.stored_count += len(batch)
-        turn.session_exists = True
-        turn.run_stored = True
+        self._appended(turn, batch)
         turn.user_stored = turn.user_stored or with_user
 
     async def _advance(
@@ -185,12 +200,22 @@ class DurableJournal(Journal):
                 now=now,
             )
         elif not await sessions.advance(
-            turn.session_id, expected=turn.stored_count, new=new_count, now=now
+            turn.session_id,
+            expected=turn.stored_count,
+            new=new_count,
+            now=now,
+            fence=self._ownership.fence(turn.session_id),
         ):
             raise SessionConflict(turn.session_id)
         await MessageRepository(session).add_many(turn.session_id, batch, now=now)
 
-    def _new_run(self, turn: Turn, now: datetime) -> dict[str, Any]:
+    @staticmethod
+    def _appended(turn: Turn, batch: Sequence[Message]) -> None:
+        turn.stored_count += len(batch)
+        turn.session_exists = True
+
+    @staticmethod
+    def _new_run(turn: Turn) -> dict[str, Any]:
         return {
             "id": turn.run_id,
             "session_id": turn.session_id,
@@ -198,7 +223,10 @@ class DurableJournal(Journal):
             "user_id": turn.user_id,
             "status": RunStatus.RUNNING.value,
             "metadata": turn.run_metadata,
+            "idempotency_key": turn.idempotency_key,
+            "request_fingerprint": turn.fingerprint,
             "created_at": turn.created_at,
+            **turn.run_values(),
         }
 
     @asynccontextmanager

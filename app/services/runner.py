@@ -37,35 +37,26 @@ class AgentRunner:
         self._llm = llm
         self._registry = registry
 
-    async def repair(
-        self,
-        turn: Turn,
-        journal: Journal,
-        history: list[Message],
-        agent: AgentConfig,
-        *,
-        unfinished_runs: Sequence[str],
-    ) -> None:
-        """Give every orphaned call of `history` exactly one result, durably (CONTRACT §2).
+    async def repairs(
+        self, turn: Turn, history: list[Message], agent: AgentConfig
+    ) -> list[Message]:
+        """One result for every orphaned call of `history` (CONTRACT §2), not yet stored.
 
-        A `safe_to_retry` tool is invoked again and its real result stored; any other gets
+        A `safe_to_retry` tool is invoked again and its real result kept; any other gets
         the durability error, so the model — not the runner — decides whether to repeat it.
         """
         index, orphans = orphaned_calls(history)
         results: list[Message] = []
-        if orphans:
-            owner_run = history[index].run_id
-            for call in orphans:
-                result = await self._reinvoke(turn, call, agent)
-                message = Message.tool(result)
-                message.run_id = owner_run
-                results.append(message)
-                log.info(
-                    "repaired orphaned tool call",
-                    extra={"tool_call_id": call.id, "tool": call.name, "error": result.is_error},
-                )
-        await journal.record_repair(turn, results, unfinished_runs)
-        history.extend(results)
+        for call in orphans:
+            result = await self._reinvoke(turn, call, agent)
+            message = Message.tool(result)
+            message.run_id = history[index].run_id
+            results.append(message)
+            log.info(
+                "repaired orphaned tool call",
+                extra={"tool_call_id": call.id, "tool": call.name, "error": result.is_error},
+            )
+        return results
 
     async def _reinvoke(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
         tool = self._registry.tool(call.name)
@@ -76,9 +67,16 @@ class AgentRunner:
     async def run(
         self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
     ) -> RunOutcome:
-        """Run the turn to its end; journal writes raise, model failures end the run."""
-        messages = [*history, turn.user_message]
-        turn.messages.append(turn.user_message)
+        """Run the turn to its end; journal writes raise, model failures end the run.
+
+        `history` is everything stored before; when a turn is continued (same
+        Idempotency-Key) its stored user message is already in it.
+        """
+        if turn.user_stored:
+            messages = list(history)
+        else:
+            messages = [*history, turn.user_message]
+            turn.messages.append(turn.user_message)
         tools = [t.spec for t in self._registry.tools_for(agent)]
         system = agent.system
         steps_without_success = 0
@@ -141,7 +139,9 @@ class AgentRunner:
         await journal.record_step(turn, assistant)
         messages.append(assistant)
         turn.messages.append(assistant)
-        results = [Message.tool(r) for r in await self._dispatch(turn, agent, response.tool_calls)]
+        results = [
+            Message.tool(r) for r in await self._dispatch(turn, journal, agent, response.tool_calls)
+        ]
         await journal.record_results(turn, results)
         messages.extend(results)
         turn.messages.extend(results)
@@ -155,7 +155,7 @@ class AgentRunner:
             turn.messages.append(final)
 
     async def _dispatch(
-        self, turn: Turn, agent: AgentConfig, calls: Sequence[ToolCall]
+        self, turn: Turn, journal: Journal, agent: AgentConfig, calls: Sequence[ToolCall]
     ) -> list[ToolResult]:
         """Run the step's calls in order; neighbouring `parallel` tools run concurrently."""
         limit = asyncio.Semaphore(agent.max_tool_concurrency)
@@ -164,6 +164,7 @@ class AgentRunner:
 
         async def limited(call: ToolCall) -> ToolResult:
             async with limit:
+                journal.check_owned(turn)  # a runner that lost the session dispatches nothing
                 return await self._execute(turn, call, agent)
 
         async def flush() -> None:
@@ -177,6 +178,7 @@ class AgentRunner:
                 batch.append(call)
                 continue
             await flush()
+            journal.check_owned(turn)
             results.append(await self._execute(turn, call, agent))
         await flush()
         return results

@@ -1,53 +1,40 @@
-"""Creating and reading runs: session checks, resume, then the runner."""
+"""Creating and reading runs: ownership, idempotency, session checks, resume, the runner."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.db import models
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
-from app.domain import Message, RunStatus
+from app.domain import Message, RunStatus, Usage
 from app.errors import (
+    IdempotencyKeyReused,
     MemoryStoreNotDurable,
     RunNotFound,
     SessionAccessDenied,
     SessionAgentMismatch,
     SessionBusy,
     SessionNotFound,
+    ValidationFailed,
 )
 from app.failpoints import Failpoints
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, RunSummary, UsageRead
 from app.services.journal import DurableJournal, Journal, Turn
+from app.services.ownership import Ownership
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
-
-class ActiveRuns:
-    """The sessions this process is running a turn on, so a second request is refused early."""
-
-    def __init__(self) -> None:
-        self._runs: dict[str, str] = {}
-
-    def claim(self, session_id: str, run_id: str) -> None:
-        """Take the session for `run_id`, or raise SessionBusy."""
-        active = self._runs.get(session_id)
-        if active is not None:
-            raise SessionBusy(session_id, active)
-        self._runs[session_id] = run_id
-
-    def release(self, session_id: str) -> None:
-        """Give the session back."""
-        self._runs.pop(session_id, None)
-
-    def active_run(self, session_id: str) -> str | None:
-        """The run in progress on the session here, if any."""
-        return self._runs.get(session_id)
+UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
 def check_session_access(
@@ -60,6 +47,20 @@ def check_session_access(
         raise SessionAccessDenied(row.id)
 
 
+def fingerprint(body: RunCreate) -> str:
+    """A hash of the request body as parsed JSON, to tell a retry from a different request."""
+    canonical = json.dumps(
+        body.model_dump(mode="json", exclude_unset=True), sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run: RunRead
+    replayed: bool = False
+
+
 @dataclass
 class RunService:
     """The unit of work behind POST /v1/runs and GET /v1/runs/{id}."""
@@ -69,63 +70,139 @@ class RunService:
     registry: ToolRegistry
     runner: AgentRunner
     failpoints: Failpoints
-    active: ActiveRuns
+    ownership: Ownership
 
-    async def create(self, body: RunCreate, *, tenant_id: str | None) -> RunRead:
-        """Run one turn and answer when it ends."""
+    async def create(
+        self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None
+    ) -> RunResult:
+        """Run one turn (or replay / continue the turn named by the key) and answer at its end."""
         agent = self.registry.agent(body.agent)
-        if body.session_id is not None and not self.durable:
+        if body.session_id is None:
+            if idempotency_key is not None:
+                raise ValidationFailed(
+                    "Idempotency-Key names a turn of a session; send a session_id with it."
+                )
+            turn = self._turn(body, tenant_id=tenant_id, key=None)
+            return RunResult(self._outcome_read(await self.runner.run(turn, Journal(), [], agent)))
+        if not self.durable:
             raise MemoryStoreNotDurable()
-        turn = Turn(
+        turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
+        if idempotency_key is not None:
+            earlier = await self._keyed_run(turn, body)
+            if earlier is not None and earlier.status not in UNFINISHED:
+                replay = await self.get(earlier.id, tenant_id=tenant_id, user_id=body.user_id)
+                return RunResult(replay, replayed=True)
+            if earlier is not None:
+                turn.run_id = earlier.id
+        async with self._owned(body.session_id, turn.run_id):
+            return await self._run_owned(turn, body)
+
+    @asynccontextmanager
+    async def _owned(self, session_id: str, run_id: str) -> AsyncIterator[None]:
+        """Own the session for the block; a 409 names the run that holds it."""
+        async with AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(self.ownership.hold(session_id, run_id))
+            except SessionBusy as busy:
+                raise await self._busy(busy, session_id) from None
+            yield
+
+    async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
+        agent = self.registry.agent(body.agent)
+        history, unfinished, earlier = await self._load(turn, body)
+        if earlier is not None:
+            if earlier.status not in UNFINISHED:  # it finished while we waited for the session
+                replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
+                return RunResult(replay, replayed=True)
+            self._continue(turn, earlier, history)
+        journal = DurableJournal(self.sessions, self.failpoints, self.ownership)
+        repairs = await self.runner.repairs(turn, history, agent)
+        await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])
+        history.extend(repairs)
+        if earlier is not None:
+            turn.messages = [m for m in history if m.run_id == turn.run_id]
+        return RunResult(self._outcome_read(await self.runner.run(turn, journal, history, agent)))
+
+    def _turn(self, body: RunCreate, *, tenant_id: str | None, key: str | None) -> Turn:
+        return Turn(
             run_id=str(uuid.uuid4()),
-            agent=agent.name,
+            agent=body.agent,
             user_message=Message.user(body.message),
             session_id=body.session_id,
             tenant_id=tenant_id,
             user_id=body.user_id,
             session_metadata=dict(body.metadata or {}),
             run_metadata=dict(body.metadata or {}),
+            idempotency_key=key,
+            fingerprint=fingerprint(body) if key is not None else None,
         )
-        if body.session_id is None:
-            outcome = await self.runner.run(turn, Journal(), [], agent)
-            return self._outcome_read(outcome)
-        self.active.claim(body.session_id, turn.run_id)
-        try:
-            journal = DurableJournal(self.sessions, self.failpoints)
-            history, unfinished = await self._load(turn, body)
-            await self.runner.repair(turn, journal, history, agent, unfinished_runs=unfinished)
-            outcome = await self.runner.run(turn, journal, history, agent)
-        finally:
-            self.active.release(body.session_id)
-        return self._outcome_read(outcome)
 
-    async def _load(self, turn: Turn, body: RunCreate) -> tuple[list[Message], list[str]]:
-        """Check the caller may use the session; its history and unfinished runs."""
+    async def _keyed_run(self, turn: Turn, body: RunCreate) -> models.Run | None:
+        """The run an earlier request with this key started; a different body is refused."""
+        assert body.session_id is not None and turn.idempotency_key is not None
+        async with self.sessions.begin() as session:
+            row = await SessionRepository(session).get(body.session_id)
+            if row is None:
+                return None
+            check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
+            run = await RunRepository(session).by_idempotency_key(row.id, turn.idempotency_key)
+        if run is not None and run.request_fingerprint != turn.fingerprint:
+            raise IdempotencyKeyReused(turn.idempotency_key)
+        return run
+
+    async def _load(
+        self, turn: Turn, body: RunCreate
+    ) -> tuple[list[Message], list[str], models.Run | None]:
+        """Check the caller may use the session; its history, unfinished runs, keyed run."""
         assert body.session_id is not None
         async with self.sessions.begin() as session:
             row = await SessionRepository(session).get(body.session_id)
             if row is None:
-                return [], []
+                return [], [], None
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
             if row.agent != body.agent:
                 raise SessionAgentMismatch(row.id, row.agent, body.agent)
             turn.session_exists = True
             turn.stored_count = row.message_count
+            runs = RunRepository(session)
             history = await MessageRepository(session).history(row.id)
-            unfinished = await RunRepository(session).unfinished(row.id)
-        return history, unfinished
+            unfinished = await runs.unfinished(row.id)
+            earlier = None
+            if turn.idempotency_key is not None:
+                earlier = await runs.by_idempotency_key(row.id, turn.idempotency_key)
+        return history, unfinished, earlier
 
-    async def get(self, run_id: str, *, tenant_id: str | None) -> RunRead:
+    @staticmethod
+    def _continue(turn: Turn, earlier: models.Run, history: list[Message]) -> None:
+        """Pick an interrupted turn up where it stopped, under its own run_id."""
+        turn.run_id = earlier.id
+        turn.run_stored = True
+        turn.created_at = earlier.created_at
+        turn.run_metadata = earlier.metadata_ or {}
+        turn.iterations = earlier.iterations
+        turn.usage = Usage(earlier.input_tokens, earlier.output_tokens)
+        turn.user_stored = any(m.run_id == earlier.id and m.role.value == "user" for m in history)
+
+    async def _busy(self, busy: SessionBusy, session_id: str) -> SessionBusy:
+        """The 409 with the run that holds the session, read from the store if need be."""
+        if busy.extra.get("active_run_id") is not None:
+            return busy
+        async with self.sessions.begin() as session:
+            return SessionBusy(session_id, await RunRepository(session).latest_running(session_id))
+
+    async def get(
+        self, run_id: str, *, tenant_id: str | None, user_id: str | None = None
+    ) -> RunRead:
         """A stored run with its messages; stateless runs are never stored."""
         async with self.sessions.begin() as session:
             run = await RunRepository(session).get(run_id)
-            if run is None:
+            owner = await SessionRepository(session).get(run.session_id) if run else None
+            if run is None or owner is None or owner.tenant_id != tenant_id:
                 raise RunNotFound(run_id)
-            owner = await SessionRepository(session).get(run.session_id)
-            if owner is None or owner.tenant_id != tenant_id:
-                raise RunNotFound(run_id)
+            check_session_access(owner, tenant_id=tenant_id, user_id=user_id)
             rows = await MessageRepository(session).for_run(run_id)
-        summary = run_summary(run)
+        held = await self.ownership.is_held(run.session_id)
+        summary = run_summary(run, held=held)
         return RunRead(
             **summary.model_dump(exclude={"session_id"}),
             session_id=summary.session_id,
@@ -156,8 +233,11 @@ class RunService:
         )
 
 
-def run_summary(run: models.Run) -> RunSummary:
-    """The API shape of a stored run, without messages."""
+def run_summary(run: models.Run, *, held: bool) -> RunSummary:
+    """A stored run without messages; `running` with no live owner (`held`) is `interrupted`."""
+    status = RunStatus(run.status)
+    if status is RunStatus.RUNNING and not held:
+        status = RunStatus.INTERRUPTED
     error = None
     if run.error_type is not None:
         error = RunErrorRead(type=run.error_type, message=run.error_message or "")
@@ -165,7 +245,7 @@ def run_summary(run: models.Run) -> RunSummary:
         run_id=run.id,
         session_id=run.session_id,
         agent=run.agent,
-        status=RunStatus(run.status),
+        status=status,
         response=run.response,
         iterations=run.iterations,
         usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),

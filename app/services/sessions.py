@@ -9,21 +9,24 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.db import models
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
 from app.domain import SessionStatus, orphaned_calls
-from app.errors import SessionBusy, SessionNotFound, ValidationFailed
+from app.errors import SessionNotFound, ValidationFailed
 from app.schemas.common import Page, decode_cursor, encode_cursor
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
-from app.services.runs import ActiveRuns, run_summary
+from app.services.ownership import Ownership
+from app.services.runs import check_session_access, run_summary
 
 
 @dataclass
 class SessionService:
     sessions: async_sessionmaker[AsyncSession]
-    active: ActiveRuns
+    ownership: Ownership
 
-    async def get(self, session_id: str, *, tenant_id: str | None) -> SessionRead:
+    async def get(
+        self, session_id: str, *, tenant_id: str | None, user_id: str | None
+    ) -> SessionRead:
         """One session with its status."""
         async with self.sessions.begin() as session:
-            row = await self._visible(session, session_id, tenant_id)
+            row = await self._visible(session, session_id, tenant_id, user_id)
             return _session_read(row, await self._status(session, session_id))
 
     async def list(
@@ -49,12 +52,18 @@ class SessionService:
         return Page(data=page, next_after=encode_cursor(last.updated_at, last.id) if last else None)
 
     async def messages(
-        self, session_id: str, *, tenant_id: str | None, after: str | None, limit: int
+        self,
+        session_id: str,
+        *,
+        tenant_id: str | None,
+        user_id: str | None,
+        after: str | None,
+        limit: int,
     ) -> Page[MessageRead]:
         """The history in order."""
         after_seq = _parse_seq(after)
         async with self.sessions.begin() as session:
-            await self._visible(session, session_id, tenant_id)
+            await self._visible(session, session_id, tenant_id, user_id)
             rows = await MessageRepository(session).page(
                 session_id, after_seq=after_seq, limit=limit + 1
             )
@@ -63,40 +72,45 @@ class SessionService:
         return Page(data=data, next_after=str(rows[limit - 1].seq) if more else None)
 
     async def runs(
-        self, session_id: str, *, tenant_id: str | None, after: str | None, limit: int
+        self,
+        session_id: str,
+        *,
+        tenant_id: str | None,
+        user_id: str | None,
+        after: str | None,
+        limit: int,
     ) -> Page[RunSummary]:
         """The session's runs, newest first."""
         async with self.sessions.begin() as session:
-            await self._visible(session, session_id, tenant_id)
+            await self._visible(session, session_id, tenant_id, user_id)
             rows = await RunRepository(session).list_for_session(
                 session_id, after=decode_cursor(after) if after else None, limit=limit + 1
             )
-        data = [run_summary(r) for r in rows[:limit]]
+        held = await self.ownership.is_held(session_id)
+        data = [run_summary(r, held=held) for r in rows[:limit]]
         last = rows[limit - 1] if len(rows) > limit else None
         return Page(data=data, next_after=encode_cursor(last.created_at, last.id) if last else None)
 
-    async def delete(self, session_id: str, *, tenant_id: str | None) -> None:
+    async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""
-        active = self.active.active_run(session_id)
-        if active is not None:
-            raise SessionBusy(session_id, active)
-        async with self.sessions.begin() as session:
-            await self._visible(session, session_id, tenant_id)
+        async with self.ownership.hold(session_id, "delete"), self.sessions.begin() as session:
+            await self._visible(session, session_id, tenant_id, user_id)
             await SessionRepository(session).delete(session_id)
 
     async def _status(self, session: AsyncSession, session_id: str) -> SessionStatus:
-        if self.active.active_run(session_id) is not None:
+        if await self.ownership.is_held(session_id):
             return SessionStatus.RUNNING
         _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(session_id))
         return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
 
     @staticmethod
     async def _visible(
-        session: AsyncSession, session_id: str, tenant_id: str | None
+        session: AsyncSession, session_id: str, tenant_id: str | None, user_id: str | None
     ) -> models.Session:
         row = await SessionRepository(session).get(session_id)
-        if row is None or row.tenant_id != tenant_id:
+        if row is None:
             raise SessionNotFound(session_id)
+        check_session_access(row, tenant_id=tenant_id, user_id=user_id)
         return row
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
 
 from app.api.deps import RunServiceDep, TenantDep
 from app.api.problems import responses
@@ -10,14 +12,43 @@ from app.schemas.runs import RunCreate, RunRead
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
+IdempotencyKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Names one turn of the session: a retry replays or continues it.",
+    ),
+]
 
-@router.post("", responses=responses(401, 403, 404, 409, 413, 422, 503))
-async def create_run(body: RunCreate, runs: RunServiceDep, tenant: TenantDep) -> RunRead:
+
+@router.post(
+    "",
+    responses=responses(401, 403, 404, 409, 413, 422, 503)
+    | {200: {"headers": {"Idempotent-Replayed": {"schema": {"type": "string"}}}}},
+)
+async def create_run(
+    body: RunCreate,
+    response: Response,
+    runs: RunServiceDep,
+    tenant: TenantDep,
+    idempotency_key: IdempotencyKey = None,
+) -> RunRead:
     """Run one turn of an agent and answer when it ends."""
-    return await runs.create(body, tenant_id=tenant)
+    result = await runs.create(body, tenant_id=tenant, idempotency_key=idempotency_key)
+    if result.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return result.run
 
 
-@router.get("/{run_id}", responses=responses(401, 404, 503))
-async def get_run(run_id: str, runs: RunServiceDep, tenant: TenantDep) -> RunRead:
+@router.get("/{run_id}", responses=responses(401, 403, 404, 422, 503))
+async def get_run(
+    run_id: str,
+    runs: RunServiceDep,
+    tenant: TenantDep,
+    user_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+) -> RunRead:
     """A stored run with the messages of its turn."""
-    return await runs.get(run_id, tenant_id=tenant)
+    return await runs.get(run_id, tenant_id=tenant, user_id=user_id)

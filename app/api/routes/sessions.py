@@ -16,6 +16,14 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 After = Annotated[str | None, Query(max_length=512)]
+UserId = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=128,
+        description="Required for a session created with a user_id: the same user_id.",
+    ),
+]
 
 
 @router.get("", responses=responses(401, 422, 503))
@@ -35,10 +43,10 @@ async def list_sessions(
 
 @router.get("/{session_id}", responses=responses(401, 404, 422, 503))
 async def get_session(
-    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep
+    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> SessionRead:
     """One session and whether it is idle, running or waiting for a resume."""
-    return await sessions.get(session_id, tenant_id=tenant)
+    return await sessions.get(session_id, tenant_id=tenant, user_id=user_id)
 
 
 @router.get("/{session_id}/messages", responses=responses(401, 404, 422, 503))
@@ -46,11 +54,14 @@ async def list_messages(
     session_id: SessionId,
     sessions: SessionServiceDep,
     tenant: TenantDep,
+    user_id: UserId = None,
     limit: Limit = DEFAULT_PAGE,
     after: After = None,
 ) -> Page[MessageRead]:
     """The session's history in order."""
-    return await sessions.messages(session_id, tenant_id=tenant, after=after, limit=limit)
+    return await sessions.messages(
+        session_id, tenant_id=tenant, user_id=user_id, after=after, limit=limit
+    )
 
 
 @router.get("/{session_id}/runs", responses=responses(401, 404, 422, 503))
@@ -58,18 +69,21 @@ async def list_session_runs(
     session_id: SessionId,
     sessions: SessionServiceDep,
     tenant: TenantDep,
+    user_id: UserId = None,
     limit: Limit = DEFAULT_PAGE,
     after: After = None,
 ) -> Page[RunSummary]:
     """The session's runs, newest first."""
-    return await sessions.runs(session_id, tenant_id=tenant, after=after, limit=limit)
+    return await sessions.runs(
+        session_id, tenant_id=tenant, user_id=user_id, after=after, limit=limit
+    )
 
 
 @router.delete(
     "/{session_id}", status_code=204, response_class=Response, responses=responses(401, 404, 409)
 )
 async def delete_session(
-    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep
+    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> None:
     """Delete the session, its runs and messages."""
-    await sessions.delete(session_id, tenant_id=tenant)
+    await sessions.delete(session_id, tenant_id=tenant, user_id=user_id)

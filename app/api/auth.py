@@ -1,0 +1,46 @@
+"""API keys (`API_KEYS=key:tenant[,key:tenant...]`): which tenant a request acts for."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from app.errors import ConfigError, Unauthorized
+
+
+class ApiKeys:
+    """Configured keys, kept only as SHA-256 digests and compared in constant time."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self._digests = [(_digest(key), tenant) for key, tenant in keys.items()]
+
+    @classmethod
+    def parse(cls, spec: str) -> ApiKeys:
+        """Parse the API_KEYS value; a malformed entry is a ConfigError (without the key)."""
+        keys: dict[str, str] = {}
+        for position, entry in enumerate(spec.split(","), start=1):
+            key, sep, tenant = entry.strip().rpartition(":")
+            if not sep or not key or not tenant.strip():
+                raise ConfigError(f"API_KEYS: entry {position} is not key:tenant")
+            keys[key] = tenant.strip()
+        if not keys:
+            raise ConfigError("API_KEYS is set but names no key")
+        return cls(keys)
+
+    def tenant(self, authorization: str | None) -> str:
+        """The tenant of `Authorization: Bearer <key>`, or Unauthorized."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthorized("Send Authorization: Bearer <API key>.")
+        given = _digest(token.strip())
+        found: str | None = None
+        for digest, tenant in self._digests:  # no early exit: time does not depend on position
+            if hmac.compare_digest(given, digest):
+                found = tenant
+        if found is None:
+            raise Unauthorized("The API key is not valid.")
+        return found
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

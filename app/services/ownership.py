@@ -1,0 +1,288 @@
+"""Who may run a session: one runner at a time, across every replica sharing the database.
+
+Two layers:
+- In this process, `ActiveRuns` refuses a second request on a session at once.
+- Across processes on PostgreSQL, `PostgresOwnership` holds a session-level advisory lock per
+  session on ONE dedicated connection per process. PostgreSQL releases a session-level lock
+  when its connection closes, so ownership dies with the process: after `kill -9` the kernel
+  closes the socket and the next request takes the session over at once. A holder that is
+  alive but stalled (SIGSTOP, a partition) keeps its socket open, so the lock connection
+  also sends a heartbeat query every `heartbeat_s`; a request that finds the lock held by a
+  connection idle for longer than `takeover_after_s` terminates that backend
+  (`pg_terminate_backend`), which frees the lock, and takes the session.
+
+Fencing: every durable write includes `fence(session_id)` — "this process's lock connection
+still holds this session's lock" (a `pg_locks` lookup) — in its own transaction, so a runner
+that lost the session writes nothing more. Before each tool dispatch the runner also checks
+locally that its lock connection is alive and answered a heartbeat recently (`check`), so a
+runner resumed after a takeover dispatches nothing. On SQLite one process owns the file;
+`LocalOwnership` is the in-process layer alone, and a restart releases everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import asyncpg
+from sqlalchemy import ColumnElement, and_, column, exists, literal, select, table, true
+
+from app.errors import SessionBusy, SessionConflict
+
+log = logging.getLogger(__name__)
+
+_pg_locks = table(
+    "pg_locks",
+    column("locktype"),
+    column("granted"),
+    column("pid"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+)
+
+
+def lock_key(session_id: str) -> int:
+    """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
+    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
+
+
+def _key_parts(key: int) -> tuple[int, int]:
+    # pg_locks shows a bigint key as classid = high 32 bits, objid = low 32 bits, objsubid = 1.
+    unsigned = key & 0xFFFFFFFFFFFFFFFF
+    return unsigned >> 32, unsigned & 0xFFFFFFFF
+
+
+class ActiveRuns:
+    """The sessions this process is running a turn on."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, str] = {}
+
+    def claim(self, session_id: str, run_id: str) -> None:
+        """Take the session for `run_id`, or raise SessionBusy."""
+        active = self._runs.get(session_id)
+        if active is not None:
+            raise SessionBusy(session_id, active)
+        self._runs[session_id] = run_id
+
+    def release(self, session_id: str) -> None:
+        """Give the session back."""
+        self._runs.pop(session_id, None)
+
+    def active_run(self, session_id: str) -> str | None:
+        """The run in progress on the session here, if any."""
+        return self._runs.get(session_id)
+
+
+class Ownership(Protocol):
+    active: ActiveRuns
+
+    def hold(self, session_id: str, run_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Own the session for the block, or raise SessionBusy (active_run_id may be None)."""
+        ...
+
+    def fence(self, session_id: str) -> ColumnElement[bool]:
+        """A SQL condition, true while this process still owns the session."""
+        ...
+
+    def check(self, session_id: str) -> None:
+        """Raise SessionConflict if this process can no longer be sure it owns the session."""
+        ...
+
+    async def is_held(self, session_id: str) -> bool:
+        """Whether any live runner owns the session now."""
+        ...
+
+    async def start(self) -> None:
+        """Open what ownership needs."""
+        ...
+
+    async def stop(self) -> None:
+        """Release everything."""
+        ...
+
+
+class LocalOwnership:
+    """One process owns the store (SQLite, memory://): the in-process layer is all it takes."""
+
+    def __init__(self) -> None:
+        self.active = ActiveRuns()
+
+    @asynccontextmanager
+    async def hold(self, session_id: str, run_id: str) -> AsyncIterator[None]:
+        self.active.claim(session_id, run_id)
+        try:
+            yield
+        finally:
+            self.active.release(session_id)
+
+    def fence(self, session_id: str) -> ColumnElement[bool]:
+        return true()
+
+    def check(self, session_id: str) -> None:
+        return None
+
+    async def is_held(self, session_id: str) -> bool:
+        return self.active.active_run(session_id) is not None
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+class PostgresOwnership:
+    """Advisory locks on one connection per process, with heartbeat-based takeover."""
+
+    def __init__(self, dsn: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
+        self.active = ActiveRuns()
+        self._dsn = dsn
+        self._heartbeat_s = heartbeat_s
+        self._takeover_after_s = takeover_after_s
+        self._conn: asyncpg.Connection | None = None
+        self._pid = -1
+        self._io = asyncio.Lock()  # one query at a time on the lock connection
+        self._last_beat = 0.0
+        self._beater: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._connect()
+        self._beater = asyncio.create_task(self._beat(), name="ownership-heartbeat")
+
+    async def stop(self) -> None:
+        if self._beater is not None:
+            self._beater.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beater
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+
+    @asynccontextmanager
+    async def hold(self, session_id: str, run_id: str) -> AsyncIterator[None]:
+        self.active.claim(session_id, run_id)
+        try:
+            key = lock_key(session_id)
+            if not await self._try_lock(key) and not await self._take_over(key):
+                raise SessionBusy(session_id, None)
+            try:
+                yield
+            finally:
+                await self._unlock(key)
+        finally:
+            self.active.release(session_id)
+
+    def fence(self, session_id: str) -> ColumnElement[bool]:
+        hi, lo = _key_parts(lock_key(session_id))
+        return exists(
+            select(literal(1))
+            .select_from(_pg_locks)
+            .where(
+                and_(
+                    _pg_locks.c.locktype == "advisory",
+                    _pg_locks.c.granted.is_(True),
+                    _pg_locks.c.pid == self._pid,
+                    _pg_locks.c.classid == hi,
+                    _pg_locks.c.objid == lo,
+                    _pg_locks.c.objsubid == 1,
+                )
+            )
+        )
+
+    def check(self, session_id: str) -> None:
+        stale = time.monotonic() - self._last_beat > self._takeover_after_s / 2
+        if self._conn is None or self._conn.is_closed() or stale:
+            raise SessionConflict(session_id)
+
+    async def is_held(self, session_id: str) -> bool:
+        if self.active.active_run(session_id) is not None:
+            return True
+        return await self._holder(lock_key(session_id)) is not None
+
+    async def _connect(self) -> None:
+        self._conn = await asyncpg.connect(self._dsn)
+        self._pid = await self._conn.fetchval("SELECT pg_backend_pid()")
+        self._last_beat = time.monotonic()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                async with self._io:
+                    assert self._conn is not None
+                    await self._conn.fetchval("SELECT 1", timeout=self._heartbeat_s * 2)
+                self._last_beat = time.monotonic()
+            except Exception as exc:
+                # Every lock died with the connection; runs in flight fail their next fence.
+                log.warning("ownership connection lost (%s); reconnecting", type(exc).__name__)
+                await self._reconnect()
+
+    async def _reconnect(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.terminate()
+        try:
+            async with self._io:
+                await self._connect()
+        except Exception as exc:
+            self._conn = None
+            log.warning("ownership reconnect failed (%s)", type(exc).__name__)
+
+    async def _query(self, sql: str, *args: Any) -> Any:
+        async with self._io:
+            if self._conn is None or self._conn.is_closed():
+                raise ConnectionError("the ownership connection is down")
+            return await self._conn.fetchval(sql, *args)
+
+    async def _try_lock(self, key: int) -> bool:
+        return bool(await self._query("SELECT pg_try_advisory_lock($1)", key))
+
+    async def _unlock(self, key: int) -> None:
+        with contextlib.suppress(Exception):
+            await self._query("SELECT pg_advisory_unlock($1)", key)
+
+    async def _holder(self, key: int) -> tuple[int, float] | None:
+        """The pid holding `key` and how long its connection has been idle, if anyone does."""
+        hi, lo = _key_parts(key)
+        async with self._io:
+            if self._conn is None or self._conn.is_closed():
+                raise ConnectionError("the ownership connection is down")
+            row = await self._conn.fetchrow(
+                """
+                SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
+                FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                WHERE l.locktype = 'advisory' AND l.granted
+                  AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+                  AND l.objsubid = 1
+                """,
+                hi,
+                lo,
+            )
+        if row is None:
+            return None
+        return int(row["pid"]), float(row["idle_s"] or 0.0)
+
+    async def _take_over(self, key: int) -> bool:
+        """Take the lock from a holder that missed its heartbeats; False if it is alive."""
+        holder = await self._holder(key)
+        if holder is not None:
+            pid, idle_s = holder
+            if idle_s < self._takeover_after_s:
+                return False
+            log.warning("taking over a session from a stalled runner", extra={"pid": pid})
+            await self._query("SELECT pg_terminate_backend($1)", pid)
+        # The terminated backend exits asynchronously; its locks go with it.
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if await self._try_lock(key):
+                return True
+            await asyncio.sleep(0.05)
+        return False

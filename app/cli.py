@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
-import sys
+from types import FrameType
 
 import click
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 
+from app.api.deps import Lifecycle
 from app.db.migrate import upgrade
 from app.errors import ConfigError
+from app.logs import configure_logging
 from app.main import create_app
 from app.settings import Settings
 
@@ -19,20 +22,30 @@ log = logging.getLogger("app.cli")
 
 def _settings() -> Settings:
     try:
-        return Settings()
+        settings = Settings()
     except ValidationError as exc:
         raise click.ClickException(f"invalid environment: {exc}") from exc
+    configure_logging(settings.log_level, settings.log_format)
+    return settings
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Per-request lines of the HTTP clients would repeat every tool and model call at INFO.
-    for name in ("httpx", "httpx2"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT also tells the app to refuse new runs.
+
+    uvicorn then stops listening, waits up to `timeout_graceful_shutdown` for requests in
+    flight (runs finishing), and cancels what is left: a cancelled run is resumable exactly as
+    after a crash, because every step it finished is already committed.
+    """
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self._lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self._lifecycle.draining:
+            log.info("shutting down: no new runs; waiting for runs in progress")
+        self._lifecycle.draining = True
+        super().handle_exit(sig, frame)
 
 
 @click.group()
@@ -46,20 +59,31 @@ def main() -> None:
 def serve(host: str, port: int) -> None:
     """Upgrade the schema to the newest migration, then serve."""
     settings = _settings()
-    _configure_logging(settings.log_level)
     try:
         app = create_app(settings)
         upgrade(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    uvicorn.run(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,  # app.logs.AccessLog writes one line per request instead
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+    DrainingServer(config, _lifecycle(app)).run()
+
+
+def _lifecycle(app: FastAPI) -> Lifecycle:
+    lifecycle: Lifecycle = app.state.lifecycle
+    return lifecycle
 
 
 @main.command()
 def migrate() -> None:
     """Upgrade the schema to the newest migration and exit."""
     settings = _settings()
-    _configure_logging(settings.log_level)
     try:
         upgrade(settings.database_url)
     except ConfigError as exc:

@@ -80,6 +80,15 @@ def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
     return ToolResult(tool_call_id, tool_name, json.dumps(body), True)
 
 
+def is_durability_error(content: str) -> bool:
+    """Whether a tool result's JSON text is the durability error."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("kind") == "tool-durability-error"
+
+
 @dataclass(slots=True)
 class Message:
     """One history entry, in the order it was stored (`seq`)."""

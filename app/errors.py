@@ -151,3 +151,16 @@ class Unauthorized(AppError):
 
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
+
+
+class ShuttingDown(AppError):
+    code = "shutting_down"
+    status = 503
+    title = "Shutting down"
+    retry_after_s = 1
+
+    def __init__(self) -> None:
+        super().__init__("This replica is shutting down and takes no new runs; retry elsewhere.")
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}

@@ -44,12 +44,13 @@ class Failpoints:
             item = item.strip()
             if not item:
                 continue
-            name, _, count = item.partition("@")
+            name, at, count = item.partition("@")
             if name not in NAMES:
                 raise ConfigError(f"FAILPOINTS: unknown failpoint {name!r}; known: {sorted(NAMES)}")
-            if count and (not count.isdigit() or int(count) < 1):
+            valid = count.isascii() and count.isdigit() and int(count) >= 1
+            if at and not valid:
                 raise ConfigError(f"FAILPOINTS: {item!r}: the count after @ must be 1 or more")
-            armed[name] = int(count or 1)
+            armed[name] = int(count) if at else 1
         return cls(armed)
 
     @property

@@ -10,7 +10,7 @@ from fastapi.routing import APIRoute
 
 from app.api import problems
 from app.api.auth import ApiKeys
-from app.api.deps import Services, get_tenant
+from app.api.deps import Lifecycle, Services, get_tenant
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
 from app.db.migrate import head_revision
@@ -18,6 +18,8 @@ from app.db.session import Database, asyncpg_dsn
 from app.failpoints import Failpoints
 from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
+from app.logs import AccessLog
+from app.metrics import Metrics
 from app.services.ownership import LocalOwnership, Ownership, PostgresOwnership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
@@ -48,6 +50,8 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file)
     api_keys = ApiKeys.parse(settings.api_keys.get_secret_value()) if settings.api_keys else None
+    metrics = Metrics()
+    lifecycle = Lifecycle()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,14 +61,19 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         )
         ownership = build_ownership(db, settings)
         await ownership.start()
-        runner = AgentRunner(llm=model, registry=registry)
+        runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
+        runs_service = RunService(
+            db.sessions, db.durable, registry, runner, failpoints, ownership, metrics
+        )
         app.state.services = Services(
             db=db,
             registry=registry,
-            runs=RunService(db.sessions, db.durable, registry, runner, failpoints, ownership),
+            runs=runs_service,
             sessions=SessionService(db.sessions, ownership),
             head_revision=head_revision() if db.durable else None,
             api_keys=api_keys,
+            metrics=metrics,
+            lifecycle=lifecycle,
         )
         try:
             yield
@@ -86,4 +95,6 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         app.include_router(module.router, dependencies=[Depends(get_tenant)])
     app.include_router(health.router)
     app.add_middleware(BodySizeLimit)
+    app.add_middleware(AccessLog)
+    app.state.lifecycle = lifecycle
     return app

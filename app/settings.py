@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,3 +27,6 @@ class Settings(BaseSettings):
     session_heartbeat_s: float = Field(default=0.5, gt=0)
     session_takeover_after_s: float = Field(default=3.0, gt=0)
     log_level: str = "INFO"
+    log_format: Literal["json", "text"] = "json"
+    # On SIGTERM: stop taking runs, give runs in progress this long to finish, then exit.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)

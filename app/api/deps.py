@@ -10,9 +10,18 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.auth import ApiKeys
 from app.db.session import Database
+from app.errors import ShuttingDown
+from app.metrics import Metrics
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.tools.registry import ToolRegistry
+
+
+@dataclass
+class Lifecycle:
+    """Process state the routes consult: set `draining` when shutdown begins."""
+
+    draining: bool = False
 
 
 @dataclass
@@ -25,6 +34,8 @@ class Services:
     sessions: SessionService
     head_revision: str | None
     api_keys: ApiKeys | None
+    metrics: Metrics
+    lifecycle: Lifecycle
 
 
 def get_services(request: Request) -> Services:
@@ -69,3 +80,9 @@ RunServiceDep = Annotated[RunService, Depends(get_run_service)]
 SessionServiceDep = Annotated[SessionService, Depends(get_session_service)]
 RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
+
+
+def accepting_runs(services: ServicesDep) -> None:
+    """Refuse new runs once shutdown has begun (503 shutting_down)."""
+    if services.lifecycle.draining:
+        raise ShuttingDown()

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +17,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.session import MEMORY_URL, async_url
+
+# Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.
+_in_process = threading.Lock()
 
 # pg_advisory_xact_lock key that serialises concurrent upgrades ("agentrun" in ASCII).
 MIGRATION_LOCK_KEY = 0x6167656E7472756E
@@ -71,16 +74,11 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     """Upgrade the schema to `revision`; memory:// has none to upgrade."""
     if database_url == MEMORY_URL:
         return
-    with _file_lock(database_url):
+    with _in_process, _file_lock(database_url):
         command.upgrade(alembic_config(database_url), revision)
 
 
 def downgrade(database_url: str, revision: str) -> None:
     """Downgrade the schema to `revision` (used by the migration tests)."""
-    with _file_lock(database_url):
+    with _in_process, _file_lock(database_url):
         command.downgrade(alembic_config(database_url), revision)
-
-
-async def upgrade_async(database_url: str) -> None:
-    """upgrade() from inside an event loop (alembic's env.py runs its own loop)."""
-    await asyncio.to_thread(upgrade, database_url)

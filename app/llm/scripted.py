@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from app.domain import Message, Role, ToolCall, Usage
+from app.domain import Message, Role, ToolCall, Usage, is_durability_error
 from app.llm.base import LLMError, ModelRequest, ModelResponse
 
 PREFIX = "scripted:"
@@ -114,12 +114,6 @@ def parse_json(content: str) -> Any:
         return None
 
 
-def is_durability_error(message: Message) -> bool:
-    """Whether a tool message is the durability error of CONTRACT §2."""
-    body = parse_json(message.content)
-    return isinstance(body, dict) and body.get("kind") == "tool-durability-error"
-
-
 # --- built-in scripts ------------------------------------------------------------------------
 
 
@@ -145,7 +139,7 @@ def support_script(request: ModelRequest) -> ModelResponse:
     # After a crash, the repaired results of the interrupted turn reach the model in the same
     # API message as this turn's text, so they count as this turn's news.
     for result in [*results.values(), *repaired_before_turn(request.messages)]:
-        if is_durability_error(result):
+        if is_durability_error(result.content):
             return final(_interrupted_report(result, order_id))
     if "send_email" in results:
         return final(_email_report(results["send_email"], order_id))

@@ -24,6 +24,7 @@ from app.db.repositories import MessageRepository, RunRepository, SessionReposit
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
+from app.metrics import Metrics
 from app.services.ownership import Ownership
 
 
@@ -98,12 +99,24 @@ class DurableJournal(Journal):
         sessions: async_sessionmaker[AsyncSession],
         failpoints: Failpoints,
         ownership: Ownership,
+        metrics: Metrics,
     ) -> None:
         self._sessions = sessions
         self._failpoints = failpoints
         self._ownership = ownership
+        self._metrics = metrics
 
     async def record_start(
+        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        assert turn.session_id is not None
+        kind = "repair" if repairs or interrupted else "start"
+        with self._metrics.write(kind):
+            await self._start(turn, repairs, interrupted)
+        self._appended(turn, repairs)
+        turn.run_stored = True
+
+    async def _start(
         self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
     ) -> None:
         assert turn.session_id is not None
@@ -121,13 +134,12 @@ class DurableJournal(Journal):
                 await runs.update(turn.run_id, {"status": RunStatus.RUNNING.value})
             else:
                 await runs.insert(self._new_run(turn))
-        self._appended(turn, repairs)
-        turn.run_stored = True
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         assistant.run_id = turn.run_id
         self._failpoints.reach("before-write-1")
-        await self._append(turn, [assistant], store_user=True)
+        with self._metrics.write("write1"):
+            await self._append(turn, [assistant], store_user=True)
         self._failpoints.reach("after-write-1")
 
     def check_owned(self, turn: Turn) -> None:
@@ -138,7 +150,8 @@ class DurableJournal(Journal):
         for message in results:
             message.run_id = turn.run_id
         self._failpoints.reach("after-handlers")
-        await self._append(turn, results, store_user=True, failpoint="in-write-2")
+        with self._metrics.write("write2"):
+            await self._append(turn, results, store_user=True, failpoint="in-write-2")
         self._failpoints.reach("after-write-2")
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
@@ -154,7 +167,8 @@ class DurableJournal(Journal):
         self._failpoints.reach("before-final-write")
         # A model failure before any write leaves the history as it was: no user message.
         batch = [final] if final is not None else []
-        await self._append(turn, batch, store_user=final is not None, run_values=values)
+        with self._metrics.write("final"):
+            await self._append(turn, batch, store_user=final is not None, run_values=values)
 
     async def _append(
         self,

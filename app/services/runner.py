@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app import logs
 from app.db.base import utcnow
-from app.domain import Message, RunStatus, ToolCall, ToolResult, durability_error, orphaned_calls
+from app.domain import (
+    Message,
+    RunStatus,
+    ToolCall,
+    ToolResult,
+    durability_error,
+    is_durability_error,
+    orphaned_calls,
+)
 from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse
+from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
 from app.tools.base import AgentConfig, ToolContext
 from app.tools.registry import ToolRegistry
@@ -33,9 +44,10 @@ class RunOutcome:
 class AgentRunner:
     """Runs one turn of an agent over a history, writing through a Journal."""
 
-    def __init__(self, *, llm: LLMClient, registry: ToolRegistry) -> None:
+    def __init__(self, *, llm: LLMClient, registry: ToolRegistry, metrics: Metrics) -> None:
         self._llm = llm
         self._registry = registry
+        self._metrics = metrics
 
     async def repairs(
         self, turn: Turn, history: list[Message], agent: AgentConfig
@@ -52,9 +64,11 @@ class AgentRunner:
             message = Message.tool(result)
             message.run_id = history[index].run_id
             results.append(message)
+            outcome = "durability_error" if is_durability_error(result.content) else "reinvoked"
+            self._metrics.tool_calls.labels(call.name, outcome).inc()
             log.info(
                 "repaired orphaned tool call",
-                extra={"tool_call_id": call.id, "tool": call.name, "error": result.is_error},
+                extra={"tool_call_id": call.id, "tool": call.name, "outcome": outcome},
             )
         return results
 
@@ -89,7 +103,7 @@ class AgentRunner:
             turn.iterations += 1
             request = ModelRequest(agent.model, system, messages, tools, agent.max_tokens)
             try:
-                response = await self._llm.complete(request)
+                response = await self._complete(request)
             except LLMError as exc:
                 end = RunEnd(RunStatus.ERROR, last_text, exc.type, exc.message)
                 break
@@ -120,11 +134,22 @@ class AgentRunner:
                     warned = True
                     system = f"{system}\n\n{BUDGET_NOTE}" if system else BUDGET_NOTE
                     log.warning(
-                        "run used 80%% of its token budget",
+                        "run used 80% of its token budget",
                         extra={"run_id": turn.run_id, "tokens": turn.usage.total},
                     )
         await self._finish(turn, journal, None, end)
         return RunOutcome(end, turn)
+
+    async def _complete(self, request: ModelRequest) -> ModelResponse:
+        start = time.perf_counter()
+        try:
+            response = await self._llm.complete(request)
+        finally:
+            self._metrics.model_call.labels(request.model).observe(time.perf_counter() - start)
+        tokens = self._metrics.model_tokens
+        tokens.labels(request.model, "input").inc(response.usage.input_tokens)
+        tokens.labels(request.model, "output").inc(response.usage.output_tokens)
+        return response
 
     async def _step(
         self,
@@ -184,7 +209,12 @@ class AgentRunner:
         return results
 
     async def _execute(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
-        return await self._registry.execute(call, self._context(turn, call), allowed=agent.tools)
+        with logs.bound(tool_call_id=call.id):
+            result = await self._registry.execute(
+                call, self._context(turn, call), allowed=agent.tools
+            )
+        self._metrics.tool_calls.labels(call.name, "error" if result.is_error else "ok").inc()
+        return result
 
     @staticmethod
     def _context(turn: Turn, call: ToolCall) -> ToolContext:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import logs
 from app.db import models
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
 from app.domain import Message, RunStatus, Usage
@@ -22,10 +24,12 @@ from app.errors import (
     SessionAccessDenied,
     SessionAgentMismatch,
     SessionBusy,
+    SessionConflict,
     SessionNotFound,
     ValidationFailed,
 )
 from app.failpoints import Failpoints
+from app.metrics import Metrics
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, RunSummary, UsageRead
 from app.services.journal import DurableJournal, Journal, Turn
 from app.services.ownership import Ownership
@@ -71,11 +75,28 @@ class RunService:
     runner: AgentRunner
     failpoints: Failpoints
     ownership: Ownership
+    metrics: Metrics
 
     async def create(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None
     ) -> RunResult:
         """Run one turn (or replay / continue the turn named by the key) and answer at its end."""
+        start = time.perf_counter()
+        logs.bind(session_id=body.session_id, agent=body.agent)
+        try:
+            result = await self._create(body, tenant_id=tenant_id, idempotency_key=idempotency_key)
+        except SessionBusy as exc:
+            if not isinstance(exc, SessionConflict):
+                self.metrics.session_busy.inc()
+            raise
+        if not result.replayed:
+            self.metrics.runs.labels(body.agent, result.run.status.value).inc()
+            self.metrics.run_duration.labels(body.agent).observe(time.perf_counter() - start)
+        return result
+
+    async def _create(
+        self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None
+    ) -> RunResult:
         agent = self.registry.agent(body.agent)
         if body.session_id is None:
             if idempotency_key is not None:
@@ -83,6 +104,7 @@ class RunService:
                     "Idempotency-Key names a turn of a session; send a session_id with it."
                 )
             turn = self._turn(body, tenant_id=tenant_id, key=None)
+            logs.bind(run_id=turn.run_id)
             return RunResult(self._outcome_read(await self.runner.run(turn, Journal(), [], agent)))
         if not self.durable:
             raise MemoryStoreNotDurable()
@@ -94,6 +116,7 @@ class RunService:
                 return RunResult(replay, replayed=True)
             if earlier is not None:
                 turn.run_id = earlier.id
+        logs.bind(run_id=turn.run_id)
         async with self._owned(body.session_id, turn.run_id):
             return await self._run_owned(turn, body)
 
@@ -115,7 +138,7 @@ class RunService:
                 replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)
-        journal = DurableJournal(self.sessions, self.failpoints, self.ownership)
+        journal = DurableJournal(self.sessions, self.failpoints, self.ownership, self.metrics)
         repairs = await self.runner.repairs(turn, history, agent)
         await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])
         history.extend(repairs)

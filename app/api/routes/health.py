@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
 from app.api.deps import ServicesDep
@@ -24,6 +25,13 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", responses=responses(503))
 async def readyz(services: ServicesDep) -> Any:
     """The database answers and its schema is at the newest migration."""
+    if services.lifecycle.draining:
+        return problem_response(
+            status=503,
+            code="shutting_down",
+            title="Shutting down",
+            detail="This replica is shutting down.",
+        )
     try:
         async with services.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
@@ -44,3 +52,9 @@ async def readyz(services: ServicesDep) -> Any:
             "run `agent-runner migrate`.",
         )
     return JSONResponse({"status": "ready", "schema": revision})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(services: ServicesDep) -> PlainTextResponse:
+    """Prometheus text format."""
+    return PlainTextResponse(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

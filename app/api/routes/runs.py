@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
 
-from app.api.deps import RunServiceDep, TenantDep
+from app.api.deps import RunServiceDep, TenantDep, accepting_runs
 from app.api.problems import responses
 from app.schemas.runs import RunCreate, RunRead
 
@@ -26,6 +26,7 @@ IdempotencyKey = Annotated[
 
 @router.post(
     "",
+    dependencies=[Depends(accepting_runs)],
     responses=responses(401, 403, 404, 409, 413, 422, 503)
     | {200: {"headers": {"Idempotent-Replayed": {"schema": {"type": "string"}}}}},
 )

@@ -1,0 +1,126 @@
+"""Logging: one JSON object per line (or text), with the ids of the run being served.
+
+The runner sets `run_id`, `session_id`, `agent` and `tool_call_id` in context variables;
+a filter copies them onto every record made while they are set, whichever module logs.
+Message contents and API keys are never put in log records at INFO.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CONTEXT_FIELDS = ("run_id", "session_id", "agent", "tool_call_id")
+_context: dict[str, ContextVar[str | None]] = {
+    name: ContextVar(name, default=None) for name in CONTEXT_FIELDS
+}
+access_log = logging.getLogger("app.access")
+
+
+def bind(**values: str | None) -> None:
+    """Set context fields for the rest of this task (and the tasks it starts)."""
+    for name, value in values.items():
+        _context[name].set(value)
+
+
+@contextmanager
+def bound(**values: str | None) -> Iterator[None]:
+    """Set context fields for the block only."""
+    tokens = [(_context[name], _context[name].set(value)) for name, value in values.items()]
+    try:
+        yield
+    finally:
+        for var, token in reversed(tokens):
+            var.reset(token)
+
+
+class ContextFilter(logging.Filter):
+    """Adds the bound context fields to each record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, var in _context.items():
+            value = var.get()
+            if value is not None and not hasattr(record, name):
+                setattr(record, name, value)
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """`time level logger: message key=value ...` with the context fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        extras = " ".join(
+            f"{name}={getattr(record, name)}" for name in CONTEXT_FIELDS if hasattr(record, name)
+        )
+        return f"{base} {extras}" if extras else base
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """Configure the root logger once, for the CLI."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(ContextFilter())
+    if fmt == "json":
+        handler.setFormatter(
+            JsonFormatter(
+                "{levelname}{name}{message}",
+                style="{",
+                timestamp="time",
+                rename_fields={"levelname": "level", "name": "logger"},
+            )
+        )
+    else:
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Per-request lines of the HTTP clients would repeat every tool and model call at INFO;
+    # uvicorn's access log is replaced by AccessLog below.
+    for name in ("httpx", "httpx2", "uvicorn.access"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class AccessLog:
+    """One INFO line per request: method, path, status, duration."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def capture(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            extra: dict[str, Any] = {
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+            }
+            access_log.info(
+                "%s %s %s %.1fms",
+                scope["method"],
+                scope["path"],
+                status,
+                extra["duration_ms"],
+                extra=extra,
+            )

@@ -96,9 +96,13 @@ class Database:
                 "pool_size": pool_size,
                 "max_overflow": pool_size,
                 "pool_pre_ping": True,
-                # A stalled runner's open transaction must not block its successor for long.
+                # Fail fast, never hang, when the database is gone: the API answers 503.
+                "pool_timeout": 10,
                 "connect_args": {
-                    "server_settings": {"idle_in_transaction_session_timeout": "5000"}
+                    "timeout": 5,
+                    "command_timeout": 30,
+                    # A stalled runner's open transaction must not block its successor for long.
+                    "server_settings": {"idle_in_transaction_session_timeout": "5000"},
                 },
             }
         engine = create_async_engine(url, **kwargs)

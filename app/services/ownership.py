@@ -154,7 +154,10 @@ class PostgresOwnership:
         self._beater: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self._connect()
+        try:
+            await self._connect()
+        except Exception as exc:  # the heartbeat keeps trying; requests answer 503 meanwhile
+            log.warning("ownership connection failed (%s)", type(exc).__name__)
         self._beater = asyncio.create_task(self._beat(), name="ownership-heartbeat")
 
     async def stop(self) -> None:
@@ -208,33 +211,29 @@ class PostgresOwnership:
         return await self._holder(lock_key(session_id)) is not None
 
     async def _connect(self) -> None:
-        self._conn = await asyncpg.connect(self._dsn)
-        self._pid = await self._conn.fetchval("SELECT pg_backend_pid()")
+        conn = await asyncpg.connect(self._dsn, timeout=5)
+        self._pid = await conn.fetchval("SELECT pg_backend_pid()")
+        self._conn = conn
         self._last_beat = time.monotonic()
 
     async def _beat(self) -> None:
+        """Heartbeat on the lock connection; reconnect (holding nothing) when it is lost."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 async with self._io:
-                    assert self._conn is not None
+                    if self._conn is None or self._conn.is_closed():
+                        await self._connect()
+                        log.info("ownership connection re-established")
+                        continue
                     await self._conn.fetchval("SELECT 1", timeout=self._heartbeat_s * 2)
                 self._last_beat = time.monotonic()
             except Exception as exc:
                 # Every lock died with the connection; runs in flight fail their next fence.
-                log.warning("ownership connection lost (%s); reconnecting", type(exc).__name__)
-                await self._reconnect()
-
-    async def _reconnect(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.terminate()
-        try:
-            async with self._io:
-                await self._connect()
-        except Exception as exc:
-            self._conn = None
-            log.warning("ownership reconnect failed (%s)", type(exc).__name__)
+                if self._conn is not None:
+                    log.warning("ownership connection lost (%s)", type(exc).__name__)
+                    self._conn.terminate()
+                    self._conn = None
 
     async def _query(self, sql: str, *args: Any) -> Any:
         async with self._io:

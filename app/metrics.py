@@ -31,13 +31,14 @@ class Metrics:
         )
         self.tool_calls = Counter(
             "agent_runner_tool_calls",
-            "Tool calls by tool and outcome (ok, error, durability_error, reinvoked).",
+            "Tool calls by tool and outcome (ok, error, durability_error, reinvoked); "
+            "names the agent does not have count as `unknown`.",
             ["tool", "outcome"],
             registry=r,
         )
         self.durable_write = Histogram(
             "agent_runner_durable_write_seconds",
-            "Latency of durable writes by kind (write1, write2, final, repair).",
+            "Latency of durable writes by kind (start, repair, write1, write2, final).",
             ["kind"],
             buckets=WRITE_BUCKETS,
             registry=r,
@@ -65,8 +66,10 @@ class Metrics:
     def write(self, kind: str) -> Iterator[None]:
         """Time one durable write."""
         start = time.perf_counter()
-        yield
-        self.durable_write.labels(kind).observe(time.perf_counter() - start)
+        try:
+            yield
+        finally:
+            self.durable_write.labels(kind).observe(time.perf_counter() - start)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -232,6 +232,19 @@ class RunRepository:
             )
         )
 
+    async def started_after(self, run: models.Run) -> bool:
+        """Whether another run of the same session started after `run`."""
+        newer = await self._s.scalar(
+            select(models.Run.id)
+            .where(
+                models.Run.session_id == run.session_id,
+                models.Run.created_at > run.created_at,
+                models.Run.id != run.id,
+            )
+            .limit(1)
+        )
+        return newer is not None
+
     async def latest_running(self, session_id: str) -> str | None:
         """The newest run of the session still marked `running`."""
         return await self._s.scalar(

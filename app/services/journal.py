@@ -130,8 +130,10 @@ class DurableJournal(Journal):
                 await runs.update(
                     run_id, {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
                 )
-            if turn.run_stored:
-                await runs.update(turn.run_id, {"status": RunStatus.RUNNING.value})
+            if turn.run_stored:  # a continued turn runs again
+                await runs.update(
+                    turn.run_id, {"status": RunStatus.RUNNING.value, "finished_at": None}
+                )
             else:
                 await runs.insert(self._new_run(turn))
 

@@ -19,6 +19,7 @@ from app.domain import (
     is_durability_error,
     orphaned_calls,
 )
+from app.errors import SessionConflict
 from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse
 from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
@@ -194,7 +195,14 @@ class AgentRunner:
 
         async def flush() -> None:
             if batch:
-                results.extend(await asyncio.gather(*(limited(c) for c in batch)))
+                # A TaskGroup, not gather: when one call finds the session lost, the calls not
+                # yet dispatched are cancelled instead of running after the step was abandoned.
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        tasks = [group.create_task(limited(c)) for c in batch]
+                except* SessionConflict as lost:
+                    raise lost.exceptions[0] from None
+                results.extend(t.result() for t in tasks)
                 batch.clear()
 
         for call in calls:
@@ -213,7 +221,8 @@ class AgentRunner:
             result = await self._registry.execute(
                 call, self._context(turn, call), allowed=agent.tools
             )
-        self._metrics.tool_calls.labels(call.name, "error" if result.is_error else "ok").inc()
+        label = call.name if call.name in agent.tools else "unknown"  # bounded label values
+        self._metrics.tool_calls.labels(label, "error" if result.is_error else "ok").inc()
         return result
 
     @staticmethod

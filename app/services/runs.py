@@ -132,9 +132,11 @@ class RunService:
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         agent = self.registry.agent(body.agent)
-        history, unfinished, earlier = await self._load(turn, body)
+        history, unfinished, earlier, overtaken = await self._load(turn, body)
         if earlier is not None:
-            if earlier.status not in UNFINISHED:  # it finished while we waited for the session
+            # A turn that finished while we waited, or that a later turn has overtaken, is not
+            # run again: its stored record is the answer.
+            if earlier.status not in UNFINISHED or overtaken:
                 replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)
@@ -175,13 +177,14 @@ class RunService:
 
     async def _load(
         self, turn: Turn, body: RunCreate
-    ) -> tuple[list[Message], list[str], models.Run | None]:
-        """Check the caller may use the session; its history, unfinished runs, keyed run."""
+    ) -> tuple[list[Message], list[str], models.Run | None, bool]:
+        """Check the caller may use the session; its history, unfinished runs, keyed run,
+        and whether a later run has started since the keyed one."""
         assert body.session_id is not None
         async with self.sessions.begin() as session:
             row = await SessionRepository(session).get(body.session_id)
             if row is None:
-                return [], [], None
+                return [], [], None, False
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
             if row.agent != body.agent:
                 raise SessionAgentMismatch(row.id, row.agent, body.agent)
@@ -190,10 +193,11 @@ class RunService:
             runs = RunRepository(session)
             history = await MessageRepository(session).history(row.id)
             unfinished = await runs.unfinished(row.id)
-            earlier = None
+            earlier, overtaken = None, False
             if turn.idempotency_key is not None:
                 earlier = await runs.by_idempotency_key(row.id, turn.idempotency_key)
-        return history, unfinished, earlier
+                overtaken = earlier is not None and await runs.started_after(earlier)
+        return history, unfinished, earlier, overtaken
 
     @staticmethod
     def _continue(turn: Turn, earlier: models.Run, history: list[Message]) -> None:

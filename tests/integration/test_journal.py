@@ -1,9 +1,15 @@
-"""DurableJournal on a real database (SQLite file and PostgreSQL): what each write stores."""
+"""DurableJournal on a real database (SQLite file and PostgreSQL): what each write stores.
+
+Every turn starts with `record_start` (the run row, any repairs, runs found dead), then its
+steps and its end. Ownership is `LocalOwnership` on both stores: its fence is always true, so
+what conflicts here is the message-count compare-and-set and the session's primary key (the
+PostgreSQL advisory-lock fence has its own tests).
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -14,10 +20,13 @@ from app.db.session import Database
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
+from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd, Turn
+from app.services.ownership import LocalOwnership
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
+WRITE_KINDS = ("start", "repair", "write1", "write2", "final")
 
 
 @pytest.fixture
@@ -30,12 +39,17 @@ async def db(database_url: str) -> AsyncIterator[Database]:
 
 
 @pytest.fixture
-def journal(db: Database) -> DurableJournal:
-    return DurableJournal(db.sessions, Failpoints.parse(None))
+def metrics() -> Metrics:
+    return Metrics()
+
+
+@pytest.fixture
+def journal(db: Database, metrics: Metrics) -> DurableJournal:
+    return DurableJournal(db.sessions, Failpoints.parse(None), LocalOwnership(), metrics)
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:
-    """A turn as the run service builds it from what it read of the session."""
+    """A turn as the run service builds it from what it read of the session (not started)."""
     return Turn(
         run_id=str(uuid.uuid4()),
         agent="main",
@@ -50,8 +64,46 @@ def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> 
     )
 
 
+async def start(
+    journal: DurableJournal,
+    text: str,
+    *,
+    stored_count: int = 0,
+    session_id: str = SESSION,
+    repairs: Sequence[Message] = (),
+    interrupted: Sequence[str] = (),
+) -> Turn:
+    """A new turn, started as the run service starts it: record_start before any other write."""
+    turn = new_turn(text, stored_count=stored_count, session_id=session_id)
+    await journal.record_start(turn, repairs, interrupted)
+    return turn
+
+
 def results_for(*calls: ToolCall) -> list[Message]:
     return [Message.tool(ToolResult.ok(c, {"done": c.id})) for c in calls]
+
+
+def repairs_for(run_id: str) -> list[Message]:
+    """What AgentRunner.repairs gives for CALLS: lookup run again, charge a durability error."""
+    repairs = [
+        Message.tool(ToolResult.ok(CALLS[0], {"id": "A-1"})),
+        Message.tool(durability_error("charge", "toolu_b")),
+    ]
+    for message in repairs:
+        message.run_id = run_id
+    return repairs
+
+
+def write_counts(metrics: Metrics) -> dict[str, float]:
+    """How many durable writes of each kind were timed (kinds never seen left out)."""
+    counts = {}
+    for kind in WRITE_KINDS:
+        value = metrics.registry.get_sample_value(
+            "agent_runner_durable_write_seconds_count", {"kind": kind}
+        )
+        if value is not None:
+            counts[kind] = value
+    return counts
 
 
 @dataclass
@@ -78,12 +130,13 @@ def shape(history: list[Message]) -> list[tuple[int | None, Role, str | None]]:
     return [(m.seq, m.role, m.tool_call_id) for m in history]
 
 
-async def test_the_first_step_writes_session_run_user_and_assistant_together(
-    db: Database, journal: DurableJournal
+async def test_the_start_stores_a_new_session_and_the_running_run(
+    db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     turn = new_turn("buy it")
-    assistant = Message.assistant("on it", CALLS)
-    await journal.record_step(turn, assistant)
+    turn.idempotency_key = "key-1"
+    turn.fingerprint = "f" * 64
+    await journal.record_start(turn, [], [])
 
     stored = await read(db, turn.run_id)
     assert stored.session is not None
@@ -91,6 +144,36 @@ async def test_the_first_step_writes_session_run_user_and_assistant_together(
     assert stored.session.tenant_id == "tenant-1"
     assert stored.session.user_id == "user-1"
     assert stored.session.metadata_ == {"source": "test"}
+    assert stored.session.message_count == 0
+    assert stored.history == []
+    run = stored.runs[turn.run_id]
+    assert run.status == RunStatus.RUNNING
+    assert run.session_id == SESSION
+    assert run.agent == "main"
+    assert run.user_id == "user-1"
+    assert run.metadata_ == {"ticket": 7}
+    assert (run.idempotency_key, run.request_fingerprint) == ("key-1", "f" * 64)
+    assert run.created_at == turn.created_at
+    assert run.finished_at is None
+    assert (run.iterations, run.input_tokens, run.output_tokens) == (0, 0, 0)
+    assert (turn.stored_count, turn.session_exists, turn.run_stored, turn.user_stored) == (
+        0,
+        True,
+        True,
+        False,
+    )
+    assert write_counts(metrics) == {"start": 1}
+
+
+async def test_the_first_step_writes_user_and_assistant_together(
+    db: Database, journal: DurableJournal, metrics: Metrics
+) -> None:
+    turn = await start(journal, "buy it")
+    assistant = Message.assistant("on it", CALLS)
+    await journal.record_step(turn, assistant)
+
+    stored = await read(db, turn.run_id)
+    assert stored.session is not None
     assert stored.session.message_count == 2
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
     user, stored_assistant = stored.history
@@ -98,14 +181,12 @@ async def test_the_first_step_writes_session_run_user_and_assistant_together(
     assert stored_assistant.content == "on it"
     assert stored_assistant.tool_calls == CALLS
     assert {user.run_id, stored_assistant.run_id} == {turn.run_id}
-    # One transaction: one timestamp for both rows.
-    assert user.created_at == stored_assistant.created_at == stored.session.created_at
+    # One transaction: one timestamp for both rows and the session's advance.
+    assert user.created_at == stored_assistant.created_at == stored.session.updated_at
+    assert user.created_at is not None
+    assert stored.session.created_at <= user.created_at  # the session came with the start
     run = stored.runs[turn.run_id]
     assert run.status == RunStatus.RUNNING
-    assert run.session_id == SESSION
-    assert run.agent == "main"
-    assert run.user_id == "user-1"
-    assert run.metadata_ == {"ticket": 7}
     assert run.finished_at is None
     assert (turn.stored_count, turn.session_exists, turn.run_stored, turn.user_stored) == (
         2,
@@ -113,12 +194,13 @@ async def test_the_first_step_writes_session_run_user_and_assistant_together(
         True,
         True,
     )
+    assert write_counts(metrics) == {"start": 1, "write1": 1}
 
 
 async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
-    db: Database, journal: DurableJournal
+    db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
-    turn = new_turn("buy it")
+    turn = await start(journal, "buy it")
     await journal.record_step(turn, Message.assistant("on it", CALLS))
     turn.iterations = 1
     turn.usage.add(Usage(input_tokens=100, output_tokens=20))
@@ -135,6 +217,7 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     assert after_results.history[2].created_at == after_results.history[3].created_at
     assert after_results.runs[turn.run_id].iterations == 1
     assert after_results.runs[turn.run_id].status == RunStatus.RUNNING
+    assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1}
 
     turn.iterations = 2
     turn.usage.add(Usage(input_tokens=150, output_tokens=30))
@@ -154,16 +237,19 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     assert (run.iterations, run.input_tokens, run.output_tokens) == (2, 250, 50)
     assert run.error_type is None
     assert run.finished_at == turn.created_at
+    assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1, "final": 1}
 
 
-async def test_a_second_turn_continues_the_seqs(db: Database, journal: DurableJournal) -> None:
-    first = new_turn("one")
+async def test_a_second_turn_continues_the_seqs(
+    db: Database, journal: DurableJournal, metrics: Metrics
+) -> None:
+    first = await start(journal, "one")
     await journal.record_step(first, Message.assistant("", CALLS))
     await journal.record_results(first, results_for(*CALLS))
     await journal.record_end(first, Message.assistant("first"), RunEnd(RunStatus.COMPLETE, "first"))
     assert first.stored_count == 5
 
-    second = new_turn("two", stored_count=first.stored_count)
+    second = await start(journal, "two", stored_count=first.stored_count)
     await journal.record_end(
         second, Message.assistant("second"), RunEnd(RunStatus.COMPLETE, "second")
     )
@@ -177,25 +263,30 @@ async def test_a_second_turn_continues_the_seqs(db: Database, journal: DurableJo
     ]
     assert stored.runs[second.run_id].status == RunStatus.COMPLETE
     assert stored.runs[first.run_id].status == RunStatus.COMPLETE
+    assert write_counts(metrics) == {"start": 2, "write1": 1, "write2": 1, "final": 2}
 
 
 async def test_a_stale_turn_conflicts_and_writes_nothing(
     db: Database, journal: DurableJournal
 ) -> None:
-    first = new_turn("one")
+    first = await start(journal, "one")
     await journal.record_step(first, Message.assistant("", CALLS[:1]))
     # Two writers read the session at the same count; the first one wins.
-    winner = new_turn("two", stored_count=2)
-    loser = new_turn("three", stored_count=2)
+    winner = await start(journal, "two", stored_count=2)
     await journal.record_end(winner, Message.assistant("won"), RunEnd(RunStatus.COMPLETE, "won"))
+    loser = new_turn("three", stored_count=2)
     before = await read(db, first.run_id, winner.run_id)
 
+    with pytest.raises(SessionConflict):
+        await journal.record_start(loser, [], [first.run_id])
+    repairs = results_for(CALLS[0])
+    repairs[0].run_id = first.run_id
+    with pytest.raises(SessionConflict):
+        await journal.record_start(loser, repairs, [first.run_id])
     with pytest.raises(SessionConflict):
         await journal.record_step(loser, Message.assistant("", CALLS[1:]))
     with pytest.raises(SessionConflict):
         await journal.record_end(loser, Message.assistant("lost"), RunEnd(RunStatus.COMPLETE, ""))
-    with pytest.raises(SessionConflict):
-        await journal.record_repair(loser, results_for(CALLS[0]), [first.run_id])
 
     after = await read(db, first.run_id, winner.run_id, loser.run_id)
     assert after.session is not None
@@ -204,28 +295,76 @@ async def test_a_stale_turn_conflicts_and_writes_nothing(
     assert shape(after.history) == shape(before.history)
     assert loser.run_id not in after.runs
     assert after.runs[first.run_id].status == RunStatus.RUNNING
+    assert after.runs[winner.run_id].status == RunStatus.COMPLETE
     assert (loser.stored_count, loser.run_stored, loser.user_stored) == (2, False, False)
+
+
+async def test_a_runner_taken_over_after_its_start_fails_every_later_write(
+    db: Database, journal: DurableJournal
+) -> None:
+    stalled = await start(journal, "one")
+    await journal.record_step(stalled, Message.assistant("", CALLS))
+    # Another runner took the session over: it repaired the step and ended its own turn.
+    taker = await start(
+        journal,
+        "two",
+        stored_count=2,
+        repairs=repairs_for(stalled.run_id),
+        interrupted=[stalled.run_id],
+    )
+    await journal.record_end(taker, Message.assistant("done"), RunEnd(RunStatus.COMPLETE, "done"))
+    before = await read(db, stalled.run_id, taker.run_id)
+
+    # The stalled runner wakes up with its handlers' results.
+    with pytest.raises(SessionConflict):
+        await journal.record_results(stalled, results_for(*CALLS))
+    with pytest.raises(SessionConflict):
+        await journal.record_end(stalled, Message.assistant("x"), RunEnd(RunStatus.COMPLETE, "x"))
+
+    after = await read(db, stalled.run_id, taker.run_id)
+    assert after.session is not None
+    assert after.session.message_count == 6
+    assert shape(after.history) == shape(before.history)
+    assert after.runs[stalled.run_id].status == RunStatus.INTERRUPTED
+    assert after.runs[taker.run_id].status == RunStatus.COMPLETE
+    assert stalled.stored_count == 2
 
 
 async def test_two_turns_creating_the_same_session_conflict(
     db: Database, journal: DurableJournal
 ) -> None:
+    # Both read the session before either created it.
     winner = new_turn("one")
     loser = new_turn("two")
-    await journal.record_step(winner, Message.assistant("", CALLS))
+    await journal.record_start(winner, [], [])
 
     with pytest.raises(SessionConflict):
+        await journal.record_start(loser, [], [])
+    with pytest.raises(SessionConflict):
         await journal.record_step(loser, Message.assistant("", CALLS))
+    with pytest.raises(SessionConflict):
+        await journal.record_end(loser, Message.assistant("lost"), RunEnd(RunStatus.COMPLETE, ""))
+    await journal.record_step(winner, Message.assistant("", CALLS))
 
     stored = await read(db, winner.run_id, loser.run_id)
     assert [m.content for m in stored.history] == ["one", ""]
+    assert {m.run_id for m in stored.history} == {winner.run_id}
+    assert stored.session is not None
+    assert stored.session.message_count == 2
     assert loser.run_id not in stored.runs
+    assert stored.runs[winner.run_id].status == RunStatus.RUNNING
+    assert (loser.stored_count, loser.session_exists, loser.run_stored, loser.user_stored) == (
+        0,
+        False,
+        False,
+        False,
+    )
 
 
 async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(
-    db: Database, journal: DurableJournal
+    db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
-    turn = new_turn("hello")
+    turn = await start(journal, "hello")
     turn.iterations = 1
     turn.finished_at = turn.created_at
     end = RunEnd(RunStatus.ERROR, None, "overloaded_error", "try later")
@@ -241,16 +380,18 @@ async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(
     assert run.response is None
     assert run.iterations == 1
     assert run.finished_at == turn.created_at
+    assert turn.user_stored is False
+    assert write_counts(metrics) == {"start": 1, "final": 1}
 
 
 async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     db: Database, journal: DurableJournal
 ) -> None:
-    first = new_turn("one")
+    first = await start(journal, "one")
     await journal.record_end(first, Message.assistant("hi"), RunEnd(RunStatus.COMPLETE, "hi"))
     before = await read(db)
 
-    failed = new_turn("two", stored_count=2)
+    failed = await start(journal, "two", stored_count=2)
     await journal.record_end(failed, None, RunEnd(RunStatus.ERROR, None, "api_error", "500"))
 
     after = await read(db, failed.run_id)
@@ -260,20 +401,15 @@ async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     assert after.runs[failed.run_id].status == RunStatus.ERROR
 
 
-async def test_repair_writes_results_after_the_assistant_and_marks_runs_interrupted(
-    db: Database, journal: DurableJournal
+async def test_the_start_writes_repairs_after_the_assistant_and_marks_runs_interrupted(
+    db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
-    crashed = new_turn("buy it")
+    crashed = await start(journal, "buy it")
     await journal.record_step(crashed, Message.assistant("on it", CALLS))
     # The runner died here. The next run repairs both orphans under the crashed run's id.
     resumed = new_turn("again", stored_count=2)
-    repairs = [
-        Message.tool(ToolResult.ok(CALLS[0], {"id": "A-1"})),
-        Message.tool(durability_error("charge", "toolu_b")),
-    ]
-    for message in repairs:
-        message.run_id = crashed.run_id
-    await journal.record_repair(resumed, repairs, [crashed.run_id])
+    repairs = repairs_for(crashed.run_id)
+    await journal.record_start(resumed, repairs, [crashed.run_id])
 
     stored = await read(db, crashed.run_id, resumed.run_id)
     assert shape(stored.history) == [
@@ -282,6 +418,7 @@ async def test_repair_writes_results_after_the_assistant_and_marks_runs_interrup
         (3, Role.TOOL, "toolu_a"),
         (4, Role.TOOL, "toolu_b"),
     ]
+    assert [m.seq for m in repairs] == [3, 4]
     assert [m.run_id for m in stored.history[2:]] == [crashed.run_id] * 2
     assert [m.is_error for m in stored.history[2:]] == [False, True]
     assert stored.history[3].content == repairs[1].content
@@ -290,8 +427,19 @@ async def test_repair_writes_results_after_the_assistant_and_marks_runs_interrup
     interrupted = stored.runs[crashed.run_id]
     assert interrupted.status == RunStatus.INTERRUPTED
     assert interrupted.finished_at is not None
-    assert resumed.run_id not in stored.runs  # the repair does not start the new run
-    assert resumed.stored_count == 4
+    # The same transaction starts the new run.
+    run = stored.runs[resumed.run_id]
+    assert run.status == RunStatus.RUNNING
+    assert run.created_at == resumed.created_at
+    assert run.finished_at is None
+    assert (
+        interrupted.finished_at
+        == stored.history[2].created_at
+        == stored.history[3].created_at
+        == stored.session.updated_at
+    )
+    assert (resumed.stored_count, resumed.run_stored, resumed.user_stored) == (4, True, False)
+    assert write_counts(metrics) == {"start": 1, "write1": 1, "repair": 1}
 
     await journal.record_end(resumed, Message.assistant("ok"), RunEnd(RunStatus.COMPLETE, "ok"))
     final = await read(db, resumed.run_id)
@@ -299,27 +447,107 @@ async def test_repair_writes_results_after_the_assistant_and_marks_runs_interrup
     assert final.runs[resumed.run_id].status == RunStatus.COMPLETE
 
 
-async def test_repair_with_only_unfinished_runs_marks_them_interrupted(
-    db: Database, journal: DurableJournal
+async def test_the_start_with_only_unfinished_runs_marks_them_interrupted(
+    db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
-    crashed = new_turn("one")
+    crashed = await start(journal, "one")
     await journal.record_step(crashed, Message.assistant("", CALLS))
     await journal.record_results(crashed, results_for(*CALLS))
-    resumed = new_turn("two", stored_count=4)
-    await journal.record_repair(resumed, [], [crashed.run_id])
+    resumed = await start(journal, "two", stored_count=4, interrupted=[crashed.run_id])
 
-    stored = await read(db, crashed.run_id)
+    stored = await read(db, crashed.run_id, resumed.run_id)
     assert stored.runs[crashed.run_id].status == RunStatus.INTERRUPTED
+    assert stored.runs[crashed.run_id].finished_at is not None
+    assert stored.runs[resumed.run_id].status == RunStatus.RUNNING
     assert stored.session is not None
     assert stored.session.message_count == 4
+    assert len(stored.history) == 4
     assert resumed.stored_count == 4
+    assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1, "repair": 1}
 
 
-async def test_repair_with_nothing_to_do_writes_nothing(
+async def test_a_start_with_nothing_to_repair_writes_only_the_session_and_the_run(
+    db: Database, journal: DurableJournal, metrics: Metrics
+) -> None:
+    earlier = await start(journal, "one")
+    await journal.record_end(earlier, Message.assistant("hi"), RunEnd(RunStatus.COMPLETE, "hi"))
+    fresh = await start(journal, "two", session_id="never-written")
+
+    stored = await read(db, fresh.run_id, session_id="never-written")
+    assert stored.session is not None
+    assert stored.session.message_count == 0
+    assert stored.history == []
+    assert stored.runs[fresh.run_id].status == RunStatus.RUNNING
+    assert fresh.stored_count == 0
+    # The other session is untouched.
+    other = await read(db, earlier.run_id)
+    assert other.session is not None
+    assert other.session.message_count == 2
+    assert other.runs[earlier.run_id].status == RunStatus.COMPLETE
+    assert write_counts(metrics) == {"start": 2, "final": 1}
+
+
+async def interrupted_then_continued(db: Database, journal: DurableJournal) -> tuple[Turn, Turn]:
+    """A turn that crashed after write #1, marked interrupted by a later turn, now continued.
+
+    Returns (crashed, continued): the continued turn is the crashed run picked up again
+    (same Idempotency-Key), built as RunService._continue builds it, and started.
+    """
+    crashed = await start(journal, "buy it")
+    crashed.iterations = 1
+    await journal.record_step(crashed, Message.assistant("on it", CALLS))
+    other = await start(
+        journal,
+        "other",
+        stored_count=2,
+        repairs=repairs_for(crashed.run_id),
+        interrupted=[crashed.run_id],
+    )
+    await journal.record_end(other, Message.assistant("fine"), RunEnd(RunStatus.COMPLETE, "fine"))
+    continued = new_turn("buy it", stored_count=6)
+    continued.run_id = crashed.run_id
+    continued.created_at = crashed.created_at
+    continued.run_stored = True
+    continued.user_stored = True
+    continued.iterations = 1
+    await journal.record_start(continued, [], [])
+    return crashed, continued
+
+
+async def test_a_continued_turn_sets_its_run_back_to_running_and_stores_no_second_user_message(
+    db: Database, journal: DurableJournal, metrics: Metrics
+) -> None:
+    crashed, continued = await interrupted_then_continued(db, journal)
+
+    resumed = await read(db, crashed.run_id)
+    assert resumed.runs[crashed.run_id].status == RunStatus.RUNNING
+    assert resumed.session is not None
+    assert resumed.session.message_count == 6
+    assert continued.stored_count == 6
+
+    continued.iterations = 2
+    continued.finished_at = continued.created_at
+    await journal.record_end(
+        continued, Message.assistant("bought"), RunEnd(RunStatus.COMPLETE, "bought")
+    )
+    stored = await read(db, crashed.run_id)
+    assert [(m.seq, m.role, m.content, m.run_id) for m in stored.history[6:]] == [
+        (7, Role.ASSISTANT, "bought", crashed.run_id)
+    ]
+    assert [m.role for m in stored.history].count(Role.USER) == 2  # "buy it" and "other"
+    run = stored.runs[crashed.run_id]
+    assert run.status == RunStatus.COMPLETE
+    assert run.iterations == 2
+    assert run.created_at == crashed.created_at
+    assert run.finished_at == continued.created_at
+    assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1, "final": 2}
+
+
+async def test_a_continued_run_back_to_running_has_no_finished_at(
     db: Database, journal: DurableJournal
 ) -> None:
-    turn = new_turn("one", session_id="never-written")
-    await journal.record_repair(turn, [], [])
-    stored = await read(db, session_id="never-written")
-    assert stored.session is None
-    assert stored.history == []
+    # A `running` run with a finish time would tell GET /v1/runs/{id} it ended already.
+    crashed, _ = await interrupted_then_continued(db, journal)
+    stored = await read(db, crashed.run_id)
+    assert stored.runs[crashed.run_id].status == RunStatus.RUNNING
+    assert stored.runs[crashed.run_id].finished_at is None

@@ -1,7 +1,9 @@
 """AgentRunner over a ScriptedLLMClient: write order, dispatch, stop conditions and repair.
 
-The journal here is a recording test double: it shows which write the runner makes when, and
-the in-process tools below record what they see (including how many writes came before them).
+The journal here is a recording test double: it shows which write the runner makes when and
+every ownership check it asks for, and the in-process tools below record what they see
+(including how many writes and checks came before them). The runner computes repairs without
+writing them; storing them is `Journal.record_start`'s job (tests/integration/test_journal.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 import pytest
 
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
+from app.errors import SessionConflict
 from app.llm.base import LLMError, ModelRequest, ModelResponse
 from app.llm.scripted import ScriptedLLMClient, ask, final
+from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
 from app.services.runner import BUDGET_NOTE, AgentRunner, RunOutcome
 from app.tools.base import AgentConfig, ToolContext
@@ -73,6 +77,7 @@ class Probe:
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     contexts: list[ToolContext] = field(default_factory=list)
     writes_seen: list[int] = field(default_factory=list)
+    checks_seen: list[int] = field(default_factory=list)
     order: list[tuple[str, str]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -85,6 +90,7 @@ class Probe:
         self.calls.append((name, arguments))
         self.contexts.append(ctx)
         self.writes_seen.append(-1 if self.journal is None else len(self.journal.records))
+        self.checks_seen.append(-1 if self.journal is None else len(self.journal.checks))
 
     def finished(self, label: str) -> asyncio.Event:
         return self.done.setdefault(label, asyncio.Event())
@@ -161,13 +167,25 @@ async def charge(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 
 
 class RecordingJournal(Journal):
-    """Appends (kind, payload) per write, in the order the runner makes them."""
+    """Appends (kind, payload) per write, in the order the runner makes them.
+
+    `checks` holds, per `check_owned` call, how many handlers had been invoked by then.
+    """
 
     def __init__(self) -> None:
         self.records: list[tuple[str, Any]] = []
+        self.checks: list[int] = []
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.records]
+
+    async def record_start(
+        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
+    ) -> None:
+        self.records.append(("start", (list(repairs), list(interrupted))))
+
+    def check_owned(self, turn: Turn) -> None:
+        self.checks.append(len(PROBE.calls))
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         await super().record_step(turn, assistant)
@@ -179,10 +197,19 @@ class RecordingJournal(Journal):
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         self.records.append(("end", (final, end)))
 
-    async def record_repair(
-        self, turn: Turn, results: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        self.records.append(("repair", (list(results), list(interrupted))))
+
+class LosingJournal(RecordingJournal):
+    """Owns the session for the first `owned` checks; every later check finds it lost."""
+
+    def __init__(self, *, owned: int = 0) -> None:
+        super().__init__()
+        self.owned = owned
+
+    def check_owned(self, turn: Turn) -> None:
+        super().check_owned(turn)
+        if len(self.checks) > self.owned:
+            assert turn.session_id is not None
+            raise SessionConflict(turn.session_id)
 
 
 Step = list[ToolCall] | ModelResponse | Exception
@@ -241,17 +268,41 @@ def call(call_id: str, name: str, **arguments: Any) -> ToolCall:
     return ToolCall(call_id, name, arguments)
 
 
+def tool_calls(metrics: Metrics, tool: str, outcome: str) -> float | None:
+    """agent_runner_tool_calls_total for one tool and outcome (None: never counted)."""
+    return metrics.registry.get_sample_value(
+        "agent_runner_tool_calls_total", {"tool": tool, "outcome": outcome}
+    )
+
+
+def counted_tool_calls(metrics: Metrics) -> dict[tuple[str, str], float]:
+    """Every (tool, outcome) the tool_calls counter has counted."""
+    return {
+        (sample.labels["tool"], sample.labels["outcome"]): sample.value
+        for family in metrics.registry.collect()
+        if family.name == "agent_runner_tool_calls"
+        for sample in family.samples
+        if sample.name == "agent_runner_tool_calls_total"
+    }
+
+
 async def run(
     registry: ToolRegistry,
     model: Model,
     *,
     history: list[Message] | None = None,
     turn: Turn | None = None,
+    journal: RecordingJournal | None = None,
+    metrics: Metrics | None = None,
     **agent_changes: Any,
 ) -> tuple[RunOutcome, RecordingJournal]:
-    journal = RecordingJournal()
+    journal = journal or RecordingJournal()
     PROBE.journal = journal
-    runner = AgentRunner(llm=ScriptedLLMClient(scripts={"main": model}), registry=registry)
+    runner = AgentRunner(
+        llm=ScriptedLLMClient(scripts={"main": model}),
+        registry=registry,
+        metrics=metrics or Metrics(),
+    )
     outcome = await runner.run(
         turn or new_turn(), journal, list(history or []), agent_of(registry, **agent_changes)
     )
@@ -269,10 +320,14 @@ async def test_write_1_commits_before_any_handler_and_write_2_holds_every_result
     registry: ToolRegistry, probe: Probe
 ) -> None:
     calls = [call("toolu_a", "note", text="a"), call("toolu_b", "note", text="b")]
-    outcome, journal = await run(registry, Model(calls, then="all done"))
+    metrics = Metrics()
+    outcome, journal = await run(registry, Model(calls, then="all done"), metrics=metrics)
 
-    assert journal.kinds() == ["step", "results", "end"]
+    assert journal.kinds() == ["step", "results", "end"]  # the runner never writes the start
     assert probe.writes_seen == [1, 1]  # both handlers ran after write #1, before write #2
+    # One ownership check before each dispatch, each one before its own handler.
+    assert journal.checks == [0, 1]
+    assert probe.checks_seen == [1, 2]
     step = journal.records[0][1]
     assert step.role is Role.ASSISTANT
     assert step.tool_calls == calls
@@ -302,6 +357,19 @@ async def test_write_1_commits_before_any_handler_and_write_2_holds_every_result
     ]
     assert turn.messages[1] is step
     assert turn.messages[-1] is final_message
+
+    assert counted_tool_calls(metrics) == {("note", "ok"): 2}
+    samples = metrics.registry.get_sample_value
+    model_labels = {"model": "scripted:main"}
+    assert samples("agent_runner_model_call_seconds_count", model_labels) == 2
+    for direction, tokens in [
+        ("input", turn.usage.input_tokens),
+        ("output", turn.usage.output_tokens),
+    ]:
+        assert tokens > 0
+        assert samples(
+            "agent_runner_model_tokens_total", model_labels | {"direction": direction}
+        ) == (tokens)
 
 
 async def test_each_step_is_written_before_the_next_model_call(registry: ToolRegistry) -> None:
@@ -344,14 +412,68 @@ async def test_a_turn_without_tools_writes_only_its_end(registry: ToolRegistry) 
 async def test_the_stateless_journal_runs_the_same_loop(
     registry: ToolRegistry, probe: Probe
 ) -> None:
+    metrics = Metrics()
     runner = AgentRunner(
         llm=ScriptedLLMClient(scripts={"main": Model([call("toolu_a", "note", text="a")])}),
         registry=registry,
+        metrics=metrics,
     )
     outcome = await runner.run(new_turn(), Journal(), [], registry.agent("main"))
     assert outcome.end == RunEnd(RunStatus.COMPLETE, "done")
     assert [name for name, _ in probe.calls] == ["note"]
     assert outcome.turn.messages[1].run_id == "run-1"
+    assert counted_tool_calls(metrics) == {("note", "ok"): 1}
+
+
+async def test_a_continued_turn_does_not_append_its_stored_user_message(
+    registry: ToolRegistry, probe: Probe
+) -> None:
+    # The same Idempotency-Key picks run-1 up after a crash: its user message and its first
+    # step are stored (the step's orphaned call already repaired) and come in the history.
+    history = [
+        stored(Message.user("earlier"), seq=1, run_id="run-0"),
+        stored(Message.assistant("earlier answer"), seq=2, run_id="run-0"),
+        stored(Message.user("buy it"), seq=3, run_id="run-1"),
+        stored(
+            Message.assistant("on it", [call("toolu_a", "note", text="a")]), seq=4, run_id="run-1"
+        ),
+        stored(Message.tool(durability_error("note", "toolu_a")), seq=5, run_id="run-1"),
+    ]
+    turn = new_turn("buy it")
+    turn.user_stored = True
+    turn.run_stored = True
+    turn.iterations = 1
+    turn.messages = [m for m in history if m.run_id == "run-1"]  # as the run service does
+    model = Model(then="bought")
+    outcome, journal = await run(registry, model, history=history, turn=turn)
+
+    assert [(m.role, m.content) for m in model.requests[0].messages] == [
+        (m.role, m.content) for m in history
+    ]
+    assert journal.kinds() == ["end"]
+    assert outcome.end == RunEnd(RunStatus.COMPLETE, "bought")
+    assert [m.role for m in outcome.turn.messages] == [
+        Role.USER,
+        Role.ASSISTANT,
+        Role.TOOL,
+        Role.ASSISTANT,
+    ]
+    assert outcome.turn.iterations == 2  # the earlier model call still counts
+    assert probe.calls == []
+
+
+async def test_a_continued_turn_keeps_counting_its_iterations(registry: ToolRegistry) -> None:
+    turn = new_turn()
+    turn.user_stored = True
+    turn.iterations = 2
+    history = [stored(Message.user("hi"), seq=1, run_id="run-1")]
+    model = Repeat("note", {"text": "again"})
+    outcome, journal = await run(registry, model, history=history, turn=turn, max_iterations=3)
+
+    assert outcome.end == RunEnd(RunStatus.MAX_ITERATIONS, "step 1")
+    assert len(model.requests) == 1
+    assert [m.content for m in model.requests[0].messages] == ["hi"]
+    assert journal.kinds() == ["step", "results", "end"]
 
 
 # --- dispatch ------------------------------------------------------------------------------------
@@ -377,6 +499,9 @@ async def test_parallel_calls_overlap_up_to_max_tool_concurrency(
     assert probe.max_in_flight == peak
     assert outcome.end.status is RunStatus.COMPLETE
     assert [body(m) for m in journal.records[1][1]] == [{"label": x} for x in "abc"]
+    # Inside the limit too, each dispatch is preceded by its own ownership check.
+    assert len(journal.checks) == 3
+    assert probe.checks_seen == [1, 2, 3]
 
 
 async def test_non_parallel_tools_run_one_at_a_time_in_call_order(
@@ -443,7 +568,8 @@ async def test_unknown_tools_bad_input_and_handler_errors_become_error_results(
         call("toolu_6", "note", text="fine"),
     ]
     model = Model(calls, then="recovered")
-    outcome, journal = await run(registry, model)
+    metrics = Metrics()
+    outcome, journal = await run(registry, model, metrics=metrics)
 
     results = journal.records[1][1]
     assert [m.is_error for m in results] == [True, True, True, True, True, False]
@@ -459,6 +585,16 @@ async def test_unknown_tools_bad_input_and_handler_errors_become_error_results(
     # The model read the errors and the run went on.
     assert [m.is_error for m in model.requests[1].messages[-6:]] == [True] * 5 + [False]
     assert outcome.end == RunEnd(RunStatus.COMPLETE, "recovered")
+    # Every call was checked for ownership, even those that reached no handler.
+    assert journal.checks == [0, 0, 0, 0, 0, 1]
+    # Names the agent does not have share one label, so a model cannot grow the series.
+    assert counted_tool_calls(metrics) == {
+        ("unknown", "error"): 2,
+        ("note", "error"): 2,
+        ("boom", "error"): 1,
+        ("note", "ok"): 1,
+    }
+    assert tool_calls(metrics, "note", "ok") == 1
 
 
 async def test_handlers_get_the_call_context(registry: ToolRegistry, probe: Probe) -> None:
@@ -467,6 +603,46 @@ async def test_handlers_get_the_call_context(registry: ToolRegistry, probe: Prob
         ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_a")
     ]
     assert probe.contexts[0].idempotency_key == "sess-1:toolu_a"
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        pytest.param([call("toolu_a", "note", text="a")], id="one"),
+        pytest.param([call(f"toolu_{x}", "step", label=x) for x in "ab"], id="serial"),
+        pytest.param([call(f"toolu_{x}", "fan", label=x) for x in "abc"], id="parallel"),
+        pytest.param(
+            [call("toolu_a", "fan", label="a"), call("toolu_s", "step", label="s")], id="mixed"
+        ),
+    ],
+)
+async def test_a_runner_that_lost_the_session_dispatches_nothing(
+    registry: ToolRegistry, probe: Probe, calls: list[ToolCall]
+) -> None:
+    journal = LosingJournal(owned=0)
+    metrics = Metrics()
+    with pytest.raises(SessionConflict):
+        await run(registry, Model(calls), journal=journal, metrics=metrics)
+
+    assert probe.calls == []
+    assert journal.kinds() == ["step"]  # write #1 stood; no results, no end
+    assert journal.checks and set(journal.checks) == {0}
+    assert counted_tool_calls(metrics) == {}
+
+
+async def test_losing_the_session_mid_step_stops_the_calls_not_yet_dispatched(
+    registry: ToolRegistry, probe: Probe
+) -> None:
+    calls = [call(f"toolu_{x}", "step", label=x) for x in "abc"]
+    journal = LosingJournal(owned=1)
+    metrics = Metrics()
+    with pytest.raises(SessionConflict):
+        await run(registry, Model(calls), journal=journal, metrics=metrics)
+
+    assert probe.calls == [("step", {"label": "a"})]
+    assert journal.checks == [0, 1]  # the second check failed: b and c never ran
+    assert journal.kinds() == ["step"]  # a's result is not written: the next run repairs it
+    assert counted_tool_calls(metrics) == {("step", "ok"): 1}
 
 
 # --- stop conditions -----------------------------------------------------------------------------
@@ -619,18 +795,17 @@ def orphaned_step(*calls: ToolCall) -> list[Message]:
 
 
 async def repair(
-    registry: ToolRegistry,
-    history: list[Message],
-    *,
-    unfinished: Sequence[str] = ("run-0",),
-) -> RecordingJournal:
-    journal = RecordingJournal()
-    PROBE.journal = journal
-    runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry)
-    await runner.repair(
-        new_turn(), journal, history, registry.agent("main"), unfinished_runs=unfinished
+    registry: ToolRegistry, history: list[Message], *, metrics: Metrics | None = None
+) -> list[Message]:
+    """The results `AgentRunner.repairs` computes; it writes nothing and leaves `history`."""
+    PROBE.journal = None  # repairs takes no journal: the run service stores them at the start
+    before = list(history)
+    runner = AgentRunner(
+        llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics or Metrics()
     )
-    return journal
+    results = await runner.repairs(new_turn(), history, registry.agent("main"))
+    assert history == before
+    return results
 
 
 def assert_durability_error(message: Message, tool_name: str, tool_call_id: str) -> None:
@@ -653,20 +828,22 @@ async def test_repair_reinvokes_safe_calls_and_gives_the_others_a_durability_err
     history = orphaned_step(
         call("toolu_a", "lookup", id="A-1"), call("toolu_b", "charge", amount=5)
     )
-    journal = await repair(registry, history)
+    metrics = Metrics()
+    results = await repair(registry, history, metrics=metrics)
 
-    assert journal.kinds() == ["repair"]
-    results, interrupted = journal.records[0][1]
-    assert interrupted == ["run-0"]
     assert [m.tool_call_id for m in results] == ["toolu_a", "toolu_b"]
     assert [m.run_id for m in results] == ["run-0", "run-0"]  # the orphaned message's run
+    assert [m.seq for m in results] == [None, None]  # numbered when the journal stores them
     assert results[0].role is Role.TOOL
     assert not results[0].is_error
     assert body(results[0]) == {"id": "A-1", "found": True}
     assert_durability_error(results[1], "charge", "toolu_b")
     assert probe.calls == [("lookup", {"id": "A-1"})]  # charge was not invoked again
     assert probe.contexts[0].idempotency_key == "sess-1:toolu_a"
-    assert history[2:] == results
+    assert counted_tool_calls(metrics) == {
+        ("lookup", "reinvoked"): 1,
+        ("charge", "durability_error"): 1,
+    }
 
 
 async def test_repair_only_answers_the_calls_still_missing(
@@ -679,14 +856,19 @@ async def test_repair_only_answers_the_calls_still_missing(
     )
     answered = Message.tool(ToolResult.ok(history[1].tool_calls[0], {"id": "A-1", "found": True}))
     history.append(stored(answered, seq=3, run_id="run-0"))
-    journal = await repair(registry, history)
+    metrics = Metrics()
+    results = await repair(registry, history, metrics=metrics)
 
-    results, _ = journal.records[0][1]
     assert [m.tool_call_id for m in results] == ["toolu_b", "toolu_c"]
+    assert [m.run_id for m in results] == ["run-0", "run-0"]
     assert_durability_error(results[0], "charge", "toolu_b")
     assert body(results[1]) == {"id": "C-3", "found": True}
     assert probe.calls == [("lookup", {"id": "C-3"})]
-    assert [m.tool_call_id for m in history[2:]] == ["toolu_a", "toolu_b", "toolu_c"]
+    assert [m.tool_call_id for m in [*history[2:], *results]] == ["toolu_a", "toolu_b", "toolu_c"]
+    assert counted_tool_calls(metrics) == {
+        ("charge", "durability_error"): 1,
+        ("lookup", "reinvoked"): 1,
+    }
 
 
 async def test_repair_of_a_tool_the_agent_no_longer_has_is_a_durability_error(
@@ -695,24 +877,33 @@ async def test_repair_of_a_tool_the_agent_no_longer_has_is_a_durability_error(
     # `retired` is still configured and safe_to_retry, but not one of this agent's tools;
     # `gone` is configured nowhere.
     history = orphaned_step(call("toolu_r", "retired", id="R-1"), call("toolu_g", "gone"))
-    journal = await repair(registry, history)
+    metrics = Metrics()
+    results = await repair(registry, history, metrics=metrics)
 
-    results, _ = journal.records[0][1]
+    assert len(results) == 2
     assert_durability_error(results[0], "retired", "toolu_r")
     assert_durability_error(results[1], "gone", "toolu_g")
     assert probe.calls == []
+    assert counted_tool_calls(metrics) == {
+        ("retired", "durability_error"): 1,
+        ("gone", "durability_error"): 1,
+    }
 
 
 async def test_a_failing_safe_retry_stores_its_error_as_the_result(
     registry: ToolRegistry, probe: Probe
 ) -> None:
     history = orphaned_step(call("toolu_a", "lookup"))  # no id: fails validation this time
-    journal = await repair(registry, history)
+    metrics = Metrics()
+    results = await repair(registry, history, metrics=metrics)
 
-    results, _ = journal.records[0][1]
+    assert len(results) == 1
     assert results[0].is_error
     assert body(results[0])["error"].startswith("invalid arguments for tool 'lookup'")
     assert results[0].run_id == "run-0"
+    assert probe.calls == []
+    # It was invoked again (not given the durability error), whatever came of it.
+    assert counted_tool_calls(metrics) == {("lookup", "reinvoked"): 1}
 
 
 @pytest.mark.parametrize(
@@ -733,19 +924,15 @@ async def test_a_failing_safe_retry_stores_its_error_as_the_result(
         ),
     ],
 )
-async def test_nothing_to_repair_still_reports_the_unfinished_runs(
+async def test_nothing_to_repair_gives_no_results(
     registry: ToolRegistry, probe: Probe, history: list[Message]
 ) -> None:
-    before = list(history)
-    journal = await repair(registry, history)
-    assert journal.records == [("repair", ([], ["run-0"]))]
-    assert history == before
+    # The unfinished runs are no longer the runner's business: the run service passes them
+    # to record_start, which marks them interrupted (tests/integration/test_journal.py).
+    metrics = Metrics()
+    assert await repair(registry, history, metrics=metrics) == []
     assert probe.calls == []
-
-
-async def test_nothing_to_repair_and_no_unfinished_runs(registry: ToolRegistry) -> None:
-    journal = await repair(registry, [], unfinished=())
-    assert journal.records == [("repair", ([], []))]
+    assert counted_tool_calls(metrics) == {}
 
 
 async def test_after_repair_the_model_sees_every_call_paired_with_one_result(
@@ -754,7 +941,7 @@ async def test_after_repair_the_model_sees_every_call_paired_with_one_result(
     history = orphaned_step(
         call("toolu_a", "lookup", id="A-1"), call("toolu_b", "charge", amount=5)
     )
-    await repair(registry, history)
+    history.extend(await repair(registry, history))  # as the run service does once stored
     model = Model(then="I will check the charge first.")
     outcome, _ = await run(registry, model, history=history, turn=new_turn("again"))
 

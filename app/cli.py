@@ -89,3 +89,44 @@ def migrate() -> None:
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo("schema is at the newest migration")
+
+
+@main.command()
+@click.option("--database-url", default=None, help="Default: a fresh SQLite file in a temp folder.")
+@click.option("--sessions", default=30, show_default=True, type=click.IntRange(1))
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(0))
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(1))
+@click.option("--long-steps", default=200, show_default=True, type=click.IntRange(1))
+@click.option("--concurrency", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--no-http", is_flag=True, help="Skip the figures through a real server.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def bench(
+    database_url: str | None,
+    sessions: int,
+    warmup: int,
+    steps: int,
+    long_steps: int,
+    concurrency: int,
+    no_http: bool,
+    as_json: bool,
+) -> None:
+    """Time the standard scenario (service layer and HTTP) and print the figures."""
+    from app.bench.report import render
+    from app.bench.scenario import BenchError, BenchOptions
+    from app.bench.suite import run_bench
+
+    configure_logging("WARNING", "text")
+    options = BenchOptions(
+        database_url=database_url,
+        sessions=sessions,
+        warmup=warmup,
+        steps=steps,
+        long_steps=long_steps,
+        concurrency=concurrency,
+        http=not no_http,
+    )
+    try:
+        report = run_bench(options)
+    except (BenchError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(report.to_json() if as_json else render(report))

@@ -111,7 +111,8 @@ class Message:
     @classmethod
     def assistant(cls, text: str, tool_calls: list[ToolCall] | None = None) -> Message:
         """An assistant message, optionally asking for tool calls."""
-        return cls(Role.ASSISTANT, text, list(tool_calls or []))
+        # Model text is stored as text; PostgreSQL text cannot hold NUL.
+        return cls(Role.ASSISTANT, text.replace("\x00", "\ufffd"), list(tool_calls or []))
 
     @classmethod
     def tool(cls, result: ToolResult) -> Message:

@@ -73,6 +73,15 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        # FastAPI's "error parsing the body" (bytes that are not UTF-8 JSON, nesting too deep):
+        # to a client, just another invalid body.
+        return problem_response(
+            status=422,
+            code="validation_error",
+            title="Validation error",
+            detail="The request body is not valid JSON.",
+        )
     code, title = _HTTP_CODES.get(exc.status_code, ("http_error", "HTTP error"))
     return problem_response(
         status=exc.status_code,
@@ -117,7 +126,8 @@ def install(app: FastAPI) -> None:
 
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting problem+json for the given statuses."""
+    schema = {"schema": {"$ref": "#/components/schemas/Problem"}}
     return {
-        status: {"model": Problem, "content": {PROBLEM_JSON: {}}, "description": "A problem"}
+        status: {"model": Problem, "content": {PROBLEM_JSON: schema}, "description": "A problem"}
         for status in statuses
     }

@@ -31,17 +31,18 @@ def migrations_dir() -> Path:
     return beside if (beside / "env.py").exists() else Path.cwd() / "migrations"
 
 
-def alembic_config(database_url: str) -> Config:
+def alembic_config(database_url: str | None) -> Config:
     """An alembic Config for DATABASE_URL (no alembic.ini needed)."""
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
-    config.attributes["database_url"] = async_url(database_url)
+    if database_url is not None:
+        config.attributes["database_url"] = async_url(database_url)
     return config
 
 
 def head_revision() -> str | None:
     """The newest migration."""
-    return ScriptDirectory.from_config(alembic_config(MEMORY_URL)).get_current_head()
+    return ScriptDirectory.from_config(alembic_config(None)).get_current_head()
 
 
 async def current_revision(conn: AsyncConnection) -> str | None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import uuid
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
-    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -26,9 +27,7 @@ MEMORY_URL = "memory://"
 def async_url(database_url: str) -> str:
     """Map a DATABASE_URL of CONTRACT §5 to the async SQLAlchemy URL that serves it."""
     if database_url == MEMORY_URL:
-        # A private shared-cache in-memory database; it lives while one connection is open.
-        name = f"agent_runner_{uuid.uuid4().hex}"
-        return f"sqlite+aiosqlite:///file:{name}?mode=memory&cache=shared&uri=true"
+        raise ConfigError("memory:// has no database URL; Database.connect makes its store")
     try:
         url = make_url(database_url)
     except Exception as exc:
@@ -42,6 +41,14 @@ def async_url(database_url: str) -> str:
         f"DATABASE_URL scheme {url.drivername!r} is not supported; "
         "use sqlite:///path.db, postgresql://user@host/db or memory://"
     )
+
+
+def _scratch_dir() -> Path:
+    """memory:// is not durable: a private SQLite file in memory-backed /dev/shm where there is
+    one, removed on dispose. Same engine code as the SQLite store, none of its promises (a
+    session_id is refused before any work)."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="agent-runner-", dir=shm if shm.is_dir() else None))
 
 
 def asyncpg_dsn(database_url: str) -> str:
@@ -58,11 +65,10 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA busy_timeout = 10000")
         cursor.execute("PRAGMA foreign_keys = ON")
-        if not engine.url.database or "mode=memory" not in str(engine.url):
-            cursor.execute("PRAGMA journal_mode = WAL")
-            # With WAL, NORMAL survives any process crash (kill -9); only a power loss can drop
-            # the last commits, which the contract's crash windows do not cover.
-            cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        # With WAL, NORMAL survives any process crash (kill -9); only a power loss can drop
+        # the last commits, which the contract's crash windows do not cover.
+        cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")
@@ -79,7 +85,7 @@ class Database:
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     durable: bool
-    _keeper: AsyncConnection | None = None
+    _scratch: Path | None = None
 
     @property
     def dialect(self) -> str:
@@ -88,8 +94,12 @@ class Database:
     @classmethod
     async def connect(cls, database_url: str, *, pool_size: int = 10) -> Database:
         """Create the engine; memory:// also gets its schema, since it has no migrations."""
-        url = async_url(database_url)
         memory = database_url == MEMORY_URL
+        scratch = None
+        if memory:
+            scratch = _scratch_dir()
+            database_url = f"sqlite:///{scratch / 'memory.db'}"
+        url = async_url(database_url)
         kwargs: dict[str, Any] = {}
         if url.startswith("postgresql"):
             kwargs = {
@@ -109,14 +119,14 @@ class Database:
         if engine.dialect.name == "sqlite":
             _configure_sqlite(engine)
         db = cls(engine, async_sessionmaker(engine, expire_on_commit=False), durable=not memory)
+        db._scratch = scratch
         if memory:
-            db._keeper = await engine.connect()
             async with engine.begin() as conn:
                 await conn.run_sync(Base.metadata.create_all)
         return db
 
     async def dispose(self) -> None:
         """Close every connection."""
-        if self._keeper is not None:
-            await self._keeper.close()
         await self.engine.dispose()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)

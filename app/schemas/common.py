@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
 from pydantic import BaseModel, Field
@@ -20,7 +21,7 @@ DEFAULT_PAGE = 50
 class Problem(BaseModel):
     """An RFC 9457 problem document plus our stable `code`."""
 
-    type: str = Field(examples=["https://agent-runner.dev/problems/session_busy"])
+    type: str = Field(examples=["urn:agent-runner:problem:session_busy"])
     title: str
     status: int
     detail: str
@@ -40,13 +41,21 @@ def encode_cursor(moment: datetime, key: str) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def decode_seq(cursor: str) -> int:
+    """The `seq` of a history cursor; anything else is a validation error."""
+    if not re.fullmatch(r"[0-9]{1,9}", cursor):
+        raise ValidationFailed(f"'after' is not a cursor this list returned: {cursor!r}")
+    return int(cursor)
+
+
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
     """The (timestamp, id) of a cursor; a malformed one is a validation error."""
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         moment, _, key = base64.urlsafe_b64decode(padded).decode().partition("|")
-        if not key:
-            raise ValueError("no key")
-        return datetime.fromisoformat(moment), key
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        parsed = datetime.fromisoformat(moment)
+        if not key or parsed.tzinfo is None:
+            raise ValueError("not a cursor")
+        return parsed.astimezone(UTC), key
+    except (ValueError, OverflowError, binascii.Error, UnicodeDecodeError) as exc:
         raise ValidationFailed(f"'after' is not a cursor this list returned: {cursor!r}") from exc

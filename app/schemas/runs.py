@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.domain import Message, RunStatus, SessionStatus
 from app.tools.base import AgentConfig, Tool
@@ -24,6 +25,25 @@ class RunCreate(BaseModel):
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     user_id: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] | None = None
+
+    @field_validator("agent", "message", "user_id")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        # PostgreSQL text cannot hold NUL; refuse it up front rather than fail at a write.
+        if value is not None and "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _storable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # What we store and echo back must be strict JSON: no NaN/Infinity, no lone surrogates.
+        if value is not None:
+            try:
+                json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
+            except (ValueError, UnicodeEncodeError) as exc:
+                raise ValueError(f"must be storable JSON ({exc.__class__.__name__})") from exc
+        return value
 
 
 class ToolCallRead(BaseModel):

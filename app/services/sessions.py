@@ -9,8 +9,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.db import models
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
 from app.domain import SessionStatus, orphaned_calls
-from app.errors import SessionNotFound, ValidationFailed
-from app.schemas.common import Page, decode_cursor, encode_cursor
+from app.errors import SessionNotFound
+from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.ownership import Ownership
 from app.services.runs import check_session_access, run_summary
@@ -61,7 +61,7 @@ class SessionService:
         limit: int,
     ) -> Page[MessageRead]:
         """The history in order."""
-        after_seq = _parse_seq(after)
+        after_seq = decode_seq(after) if after is not None else None
         async with self.sessions.begin() as session:
             await self._visible(session, session_id, tenant_id, user_id)
             rows = await MessageRepository(session).page(
@@ -112,14 +112,6 @@ class SessionService:
             raise SessionNotFound(session_id)
         check_session_access(row, tenant_id=tenant_id, user_id=user_id)
         return row
-
-
-def _parse_seq(after: str | None) -> int | None:
-    if after is None:
-        return None
-    if not after.isdigit():
-        raise ValidationFailed(f"'after' is not a cursor this list returned: {after!r}")
-    return int(after)
 
 
 def _session_read(row: models.Session, status: SessionStatus) -> SessionRead:

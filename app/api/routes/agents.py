@@ -27,7 +27,7 @@ async def list_agents(
     return Page(data=data, next_after=page[-1] if len(names) > limit else None)
 
 
-@router.get("/{name}", responses=responses(401, 404))
+@router.get("/{name}", responses=responses(401, 404, 422))
 async def get_agent(name: str, registry: RegistryDep) -> AgentRead:
     """One agent and its tools."""
     agent = registry.agent(name)

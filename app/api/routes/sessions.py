@@ -41,7 +41,7 @@ async def list_sessions(
     )
 
 
-@router.get("/{session_id}", responses=responses(401, 404, 422, 503))
+@router.get("/{session_id}", responses=responses(401, 403, 404, 422, 503))
 async def get_session(
     session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> SessionRead:
@@ -49,7 +49,7 @@ async def get_session(
     return await sessions.get(session_id, tenant_id=tenant, user_id=user_id)
 
 
-@router.get("/{session_id}/messages", responses=responses(401, 404, 422, 503))
+@router.get("/{session_id}/messages", responses=responses(401, 403, 404, 422, 503))
 async def list_messages(
     session_id: SessionId,
     sessions: SessionServiceDep,
@@ -64,7 +64,7 @@ async def list_messages(
     )
 
 
-@router.get("/{session_id}/runs", responses=responses(401, 404, 422, 503))
+@router.get("/{session_id}/runs", responses=responses(401, 403, 404, 422, 503))
 async def list_session_runs(
     session_id: SessionId,
     sessions: SessionServiceDep,
@@ -80,7 +80,10 @@ async def list_session_runs(
 
 
 @router.delete(
-    "/{session_id}", status_code=204, response_class=Response, responses=responses(401, 404, 409)
+    "/{session_id}",
+    status_code=204,
+    response_class=Response,
+    responses=responses(401, 403, 404, 409, 422, 503),
 )
 async def delete_session(
     session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None

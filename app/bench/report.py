@@ -1,0 +1,293 @@
+"""The bench's figures, its targets, and how they are printed (a table, or JSON)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Targets of the standard scenario (the issue that defines `agent-runner bench`).
+OVERHEAD_TARGET_MS = {"sqlite": 1.0, "postgresql": 1.5}
+LATE_EARLY_TARGET = 1.2
+BYTES_TARGET_PER_200_STEPS = 300_000
+SESSIONS_PER_S_TARGET = 100.0  # at 16 concurrent sessions, on PostgreSQL
+FLOOR_RATIO_TARGET = 1.3
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of repeated timings, in milliseconds."""
+
+    median: float
+    p90: float
+    minimum: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        """Median, 90th percentile and minimum of `values` (at least one)."""
+        p90 = statistics.quantiles(values, n=10)[8] if len(values) > 1 else values[0]
+        return cls(statistics.median(values), p90, min(values), len(values))
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Whole sessions, stateless and durable; overhead = (durable - stateless) / steps.
+
+    The `cpu` figures are this process's CPU time (all its threads), steadier than wall time
+    on a busy machine; the HTTP bench has none (the work is in the server process).
+    """
+
+    stateless_ms: Stats
+    durable_ms: Stats
+    overhead_ms_per_step: float
+    stateless_cpu_ms: Stats | None = None
+    durable_cpu_ms: Stats | None = None
+    overhead_cpu_ms_per_step: float | None = None
+
+
+@dataclass(frozen=True)
+class Transactions:
+    """What one durable session asks of the database."""
+
+    total: int  # COMMITs
+    writing: int  # of which wrote something
+    read_only: int
+    statements: int  # excluding BEGIN / COMMIT
+    checkouts: int  # connections taken from the pool
+
+
+@dataclass(frozen=True)
+class Throughput:
+    concurrency: int
+    sessions: int
+    seconds: float
+    sessions_per_s: float
+
+
+@dataclass(frozen=True)
+class LongSession:
+    """One durable session of many steps: per-step service time between model calls."""
+
+    steps: int
+    early_ms_per_step: float  # median of steps 1-10
+    late_ms_per_step: float  # median of the last 10 steps
+    late_early_ratio: float
+    bytes_stored: int
+    bytes_per_step: float
+    messages: int
+
+
+@dataclass(frozen=True)
+class CommitFloor:
+    """`transactions` bare INSERT+COMMIT transactions; ratio = durable overhead / floor."""
+
+    transactions: int
+    ms: Stats
+    ratio: float
+
+
+@dataclass(frozen=True)
+class ServiceFigures:
+    sessions: Sessions
+    transactions: Transactions
+    throughput: Throughput
+    long_session: LongSession
+    commit_floor: CommitFloor
+    side_effects: int
+
+
+@dataclass(frozen=True)
+class HttpFigures:
+    """Through a real `agent-runner serve`, the anthropic SDK and HTTP tools."""
+
+    sessions: Sessions
+    server_peak_rss_mb: float | None
+    side_effects: int
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    target: str
+    measured: str
+    met: bool | None  # None: no target for this database
+
+
+@dataclass
+class Report:
+    scenario: dict[str, Any]
+    machine: dict[str, Any]
+    service: ServiceFigures
+    http: HttpFigures | None
+    peak_rss_mb: float
+    side_effects: dict[str, Any]
+    targets: list[Target] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The report as indented JSON."""
+        return json.dumps(asdict(self), indent=2)
+
+
+def targets(report: Report) -> list[Target]:
+    """Each target of the issue against what was measured."""
+    kind = report.machine["database"]
+    steps = report.scenario["steps"]
+    service = report.service
+    overhead = service.sessions.overhead_ms_per_step
+    limit = OVERHEAD_TARGET_MS.get(kind)
+    txns = service.transactions
+    long = service.long_session
+    byte_limit = BYTES_TARGET_PER_200_STEPS * long.steps / 200
+    rate = service.throughput.sessions_per_s
+    floor = service.commit_floor
+    return [
+        Target(
+            "durable overhead",
+            f"<= {limit} ms/step" if limit else "-",
+            f"{overhead:.3f} ms/step",
+            overhead <= limit if limit else None,
+        ),
+        Target(
+            f"transactions per {steps}-step session",
+            str(2 * steps + 1),
+            f"{txns.total} ({txns.writing} writing, {txns.read_only} read-only)",
+            txns.total <= 2 * steps + 1,
+        ),
+        Target(
+            f"late/early ms per step ({long.steps} steps)",
+            f"<= {LATE_EARLY_TARGET}",
+            f"{long.late_early_ratio:.2f}",
+            long.late_early_ratio <= LATE_EARLY_TARGET,
+        ),
+        Target(
+            f"bytes stored, {long.steps}-step session",
+            f"<= {byte_limit:,.0f}",
+            f"{long.bytes_stored:,}",
+            long.bytes_stored <= byte_limit,
+        ),
+        Target(
+            f"sessions/s at {service.throughput.concurrency} concurrent",
+            f">= {SESSIONS_PER_S_TARGET:.0f} (PostgreSQL)",
+            f"{rate:.1f}",
+            rate >= SESSIONS_PER_S_TARGET if kind == "postgresql" else None,
+        ),
+        Target(
+            "durable overhead / commit floor",
+            f"<= {FLOOR_RATIO_TARGET}",
+            f"{floor.ratio:.2f}",
+            floor.ratio <= FLOOR_RATIO_TARGET,
+        ),
+        Target(
+            "every side effect ran exactly once",
+            "yes",
+            "yes" if report.side_effects["exactly_once"] else "NO",
+            bool(report.side_effects["exactly_once"]),
+        ),
+    ]
+
+
+LABEL = 44
+
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<{LABEL}}{value:>10}{'   ' + note if note else ''}"
+
+
+def _stats_rows(label: str, stats: Stats) -> str:
+    note = f"(p90 {stats.p90:.2f}, min {stats.minimum:.2f}, n={stats.n})"
+    return _row(label, f"{stats.median:.2f}", note)
+
+
+def _session_rows(sessions: Sessions) -> list[str]:
+    rows = [
+        _stats_rows("stateless session, ms", sessions.stateless_ms),
+        _stats_rows("durable session, ms", sessions.durable_ms),
+        _row("durable overhead per step, ms", f"{sessions.overhead_ms_per_step:.3f}"),
+    ]
+    if sessions.stateless_cpu_ms is not None and sessions.durable_cpu_ms is not None:
+        rows += [
+            _stats_rows("CPU of a stateless session, ms", sessions.stateless_cpu_ms),
+            _stats_rows("CPU of a durable session, ms", sessions.durable_cpu_ms),
+            _row("CPU overhead per step, ms", f"{sessions.overhead_cpu_ms_per_step:.3f}"),
+        ]
+    return rows
+
+
+def render(report: Report) -> str:
+    """The report as a plain-text table."""
+    s, m = report.scenario, report.machine
+    service = report.service
+    lines = [
+        "agent-runner bench: the standard scenario",
+        f"  {s['steps']} steps x (200-char text + get_issue + post_slack), 200-char user message"
+        f" and final answer: {s['messages_per_session']} messages per session",
+        f"  {s['sessions']} sessions timed after {s['warmup']} warm-up; medians unless said",
+        f"  machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}",
+        f"  database: {m['database']} {m['database_version']} ({m['database_url']})",
+        "",
+        "service layer (RunService.create, no HTTP)",
+        *_session_rows(service.sessions),
+    ]
+    if report.http is not None:
+        http = report.http
+        rss = f"{http.server_peak_rss_mb:.1f}" if http.server_peak_rss_mb else "n/a"
+        lines += [
+            "",
+            "HTTP (agent-runner serve, anthropic SDK, local fake model, HTTP tools)",
+            *_session_rows(http.sessions),
+            _row("server peak RSS, MB", rss),
+        ]
+    txns, rate, long, floor = (
+        service.transactions,
+        service.throughput,
+        service.long_session,
+        service.commit_floor,
+    )
+    window = min(10, long.steps)
+    lines += [
+        "",
+        "database",
+        _row(
+            "transactions per durable session",
+            str(txns.total),
+            f"({txns.writing} writing, {txns.read_only} read-only; {txns.statements} statements,"
+            f" {txns.checkouts} pool checkouts)",
+        ),
+        _stats_rows(f"commit floor: {floor.transactions} INSERT+COMMIT, ms", floor.ms),
+        _row("durable overhead per session / floor", f"{floor.ratio:.2f}"),
+        "",
+        f"throughput: {rate.concurrency} concurrent durable sessions",
+        _row(
+            "sessions per second",
+            f"{rate.sessions_per_s:.1f}",
+            f"({rate.sessions} sessions in {rate.seconds:.2f} s)",
+        ),
+        "",
+        f"long session: {long.steps} steps (service time between model calls)",
+        _row(f"ms per step, first {window} steps", f"{long.early_ms_per_step:.3f}"),
+        _row(f"ms per step, last {window} steps", f"{long.late_ms_per_step:.3f}"),
+        _row("late / early", f"{long.late_early_ratio:.2f}"),
+        _row(
+            "bytes stored",
+            f"{long.bytes_stored:,}",
+            f"({long.bytes_per_step:.0f} per step, {long.messages} messages)",
+        ),
+        "",
+        _row("peak RSS of the bench process, MB", f"{report.peak_rss_mb:.1f}"),
+        _row(
+            "post_slack calls, each exactly once",
+            "yes" if report.side_effects["exactly_once"] else "NO",
+            f"({report.side_effects['counted']} counted, {report.side_effects['expected']}"
+            " expected)",
+        ),
+        "",
+        "targets",
+    ]
+    for target in report.targets:
+        verdict = {True: "met", False: "MISSED", None: "n/a"}[target.met]
+        lines.append(
+            f"  {target.name:<40} {target.measured:>30}   target {target.target:<22} {verdict}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,270 @@
+"""Every error is application/problem+json with a stable code, and nothing answers 5xx."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.schemas.runs import MAX_MESSAGE_CHARS
+from tests.api.helpers import (
+    Json,
+    assert_all,
+    assert_no_server_errors,
+    assert_problem,
+    get_ok,
+    outcome,
+    post_raw,
+    run,
+)
+from tests.support.fake_anthropic import FakeAnthropic
+
+MIB = 1024 * 1024
+VALID = {"agent": "echo", "message": "hi"}
+
+MALFORMED_BODIES = [
+    b"{",
+    b"not json",
+    b"",
+    b"null",
+    b"42",
+    b'"a string"',
+    b"[]",
+    b'[{"agent": "echo", "message": "hi"}]',
+    b'{"agent": "echo", "message": "hi",}',
+    b"\xff\xfe\x00",
+    b'{"agent": "echo", "message": "hi", "metadata": {"a": '
+    + b"[" * 100_000
+    + b"]" * 100_000
+    + b"}}",
+]
+INVALID_BODIES: list[Json] = [
+    {},
+    {"agent": "echo"},
+    {"message": "hi"},
+    {**VALID, "message": 123},
+    {**VALID, "message": None},
+    {**VALID, "message": ["hi"]},
+    {**VALID, "message": ""},
+    {**VALID, "agent": 5},
+    {**VALID, "agent": ""},
+    {**VALID, "agent": None},
+    {**VALID, "metadata": "x"},
+    {**VALID, "metadata": [1, 2]},
+    {**VALID, "metadata": 3},
+    {**VALID, "user_id": ""},
+    {**VALID, "user_id": 5},
+    {**VALID, "user_id": "u" * 129},
+    {**VALID, "session_id": 5},
+    {**VALID, "session_id": ["s"]},
+    {**VALID, "unknown": 1},
+    {**VALID, "Session_id": "s-1"},
+    {**VALID, "background": "yes"},
+]
+INVALID_SESSION_IDS = ["", "s" * 129, "a b", "a/b", "é", "日本", "abc\n", "a\x00b", "tab\t", "a*b"]
+# Ids that reach the session routes as one path segment (a slash is another route: 404).
+INVALID_PATH_SESSION_IDS = ["s" * 129, "a%20b", "%C3%A9", "a*b", "a%00b", "abc%0A"]
+SESSION_LISTS = ["/v1/sessions", "/v1/sessions/s-1/messages", "/v1/sessions/s-1/runs"]
+BAD_LIMITS = ["0", "-1", "201", "1000", "abc", "1.5", ""]
+
+
+def cursor(raw: str) -> str:
+    """A cursor in the list's format with this decoded content."""
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+BAD_CURSORS = [
+    "garbage",
+    "!!!",
+    "-1",
+    "²",  # str.isdigit() says yes, int() says no
+    "9" * 30,
+    cursor("x|y"),
+    cursor("2024-01-01T00:00:00+00:00"),
+    cursor("0001-01-01T00:00:00+14:00|k"),
+    cursor("9999-12-31T23:59:59-14:00|k"),
+]
+
+
+@pytest.fixture
+async def session(client: httpx.AsyncClient) -> str:
+    """A session `s-1` with one echo turn."""
+    await run(client, "echo", "hi", session_id="s-1")
+    return "s-1"
+
+
+async def test_malformed_json_bodies(client: httpx.AsyncClient) -> None:
+    outcomes = {repr(c): outcome(await post_raw(client, c)) for c in MALFORMED_BODIES}
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        response = await post_raw(client, json.dumps(VALID).encode(), content_type=content_type)
+        outcomes[content_type] = outcome(response)
+
+    assert_all(outcomes, 422, "validation_error")
+
+
+async def test_invalid_fields_are_validation_errors(client: httpx.AsyncClient) -> None:
+    outcomes = {
+        json.dumps(body): outcome(await client.post("/v1/runs", json=body))
+        for body in INVALID_BODIES
+    }
+
+    assert_all(outcomes, 422, "validation_error")
+    assert (await get_ok(client, "/v1/sessions"))["data"] == []
+
+
+async def test_invalid_session_ids_are_validation_errors(client: httpx.AsyncClient) -> None:
+    outcomes = {
+        f"POST {session_id!r}": outcome(
+            await client.post("/v1/runs", json={**VALID, "session_id": session_id})
+        )
+        for session_id in INVALID_SESSION_IDS
+    }
+    for session_id in INVALID_PATH_SESSION_IDS:
+        for route in ("", "/messages", "/runs"):
+            url = f"/v1/sessions/{session_id}{route}"
+            outcomes[f"GET {url}"] = outcome(await client.get(url))
+        url = f"/v1/sessions/{session_id}"
+        outcomes[f"DELETE {url}"] = outcome(await client.delete(url))
+
+    assert_all(outcomes, 422, "validation_error")
+    longest = ("AZaz09._:-" * 13)[:128]  # every allowed character, at the length limit
+    assert (await run(client, "echo", "hi", session_id=longest))["session_id"] == longest
+    assert (await get_ok(client, f"/v1/sessions/{longest}"))["id"] == longest
+
+
+async def test_unknown_agent(client: httpx.AsyncClient, fake_model: FakeAnthropic) -> None:
+    for session_id in (None, "s-new"):
+        response = await client.post(
+            "/v1/runs", json={**VALID, "agent": "nobody", "session_id": session_id}
+        )
+        assert_problem(response, 404, "agent_not_found")
+    assert_problem(await client.get("/v1/sessions/s-new"), 404, "session_not_found")
+    assert fake_model.requests == []
+
+
+async def test_message_length_limit(client: httpx.AsyncClient) -> None:
+    at_limit = await run(client, "echo", "x" * MAX_MESSAGE_CHARS)
+    assert at_limit["status"] == "complete"
+
+    # Characters, not bytes: the 2-byte one is still far below the 1 MiB body limit.
+    for char in ("x", "é"):
+        response = await client.post(
+            "/v1/runs", json={**VALID, "message": char * (MAX_MESSAGE_CHARS + 1)}
+        )
+        assert_problem(response, 422, "validation_error")
+
+
+async def test_body_over_one_mib_is_payload_too_large(client: httpx.AsyncClient) -> None:
+    small = json.dumps(VALID).encode()
+    exactly_one_mib = small + b" " * (MIB - len(small))  # trailing whitespace is valid JSON
+    assert (await post_raw(client, exactly_one_mib)).status_code == 200
+    assert_problem(await post_raw(client, exactly_one_mib + b" "), 413, "payload_too_large")
+
+    content = json.dumps({**VALID, "message": "x" * (MIB + 1)}).encode()
+    assert_problem(await post_raw(client, content), 413, "payload_too_large")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(content), 64 * 1024):
+            yield content[start : start + 64 * 1024]
+
+    # Without a Content-Length the limit is enforced on what actually arrives.
+    streamed = await client.post(
+        "/v1/runs", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert "content-length" not in streamed.request.headers
+    assert_problem(streamed, 413, "payload_too_large")
+
+
+async def test_unknown_path_and_wrong_method(client: httpx.AsyncClient) -> None:
+    not_found = {
+        f"{method} {path}": outcome(await client.request(method, path))
+        for method, path in [
+            ("GET", "/nope"),
+            ("GET", "/v1/nope"),
+            ("POST", "/v1/nope"),
+            ("GET", "/v2/runs"),
+            ("GET", "/v1/sessions/a/b"),
+            ("GET", "/v1/agents/echo/tools"),
+        ]
+    }
+    assert_all(not_found, 404, "not_found")
+
+    for method, path in [
+        ("GET", "/v1/runs"),
+        ("PUT", "/v1/runs"),
+        ("DELETE", "/v1/runs/r-1"),
+        ("POST", "/v1/sessions"),
+        ("PATCH", "/v1/sessions/s-1"),
+        ("POST", "/v1/sessions/s-1/messages"),
+        ("POST", "/v1/agents"),
+        ("PUT", "/v1/agents/echo"),
+        ("POST", "/healthz"),
+    ]:
+        response = await client.request(method, path)
+        assert_problem(response, 405, "method_not_allowed")
+        assert response.headers.get("allow"), f"{method} {path}: 405 without an Allow header"
+
+
+@pytest.mark.usefixtures("session")
+async def test_bad_limits(client: httpx.AsyncClient) -> None:
+    outcomes = {
+        f"{path}?limit={limit}": outcome(await client.get(path, params={"limit": limit}))
+        for path in [*SESSION_LISTS, "/v1/agents"]
+        for limit in BAD_LIMITS
+    }
+
+    assert_all(outcomes, 422, "validation_error")
+
+
+@pytest.mark.usefixtures("session")
+async def test_bad_cursors(client: httpx.AsyncClient) -> None:
+    outcomes = {
+        f"{path}?after={after}": outcome(await client.get(path, params={"after": after}))
+        for path in SESSION_LISTS
+        for after in BAD_CURSORS
+    }
+
+    assert_all(outcomes, 422, "validation_error")
+
+
+# Python's json module takes NaN/Infinity and 1e400 (inf); JSON text, SQLite, PostgreSQL and
+# UTF-8 each refuse some of these values. Each case must end as a 2xx or a 4xx problem.
+HOSTILE_METADATA: dict[str, bytes] = {
+    "nan": b'{"a": NaN}',
+    "infinity": b'{"a": Infinity}',
+    "minus-infinity": b'{"a": -Infinity}',
+    "overflowing-float": b'{"a": 1e400}',
+    "nul-in-value": b'{"a": "x\\u0000y"}',
+    "nul-in-key": b'{"x\\u0000y": 1}',
+    "lone-surrogate": b'{"a": "\\udfff"}',
+    "huge-int": b'{"a": ' + b"9" * 4000 + b"}",
+    "int-over-pythons-digit-limit": b'{"a": ' + b"9" * 5000 + b"}",
+}
+HOSTILE_FIELDS: dict[str, Json] = {
+    "nul-in-message": {"message": "x\x00y"},
+    "nul-in-user-id": {"user_id": "u\x00"},
+}
+
+
+async def test_hostile_values_never_answer_5xx(client: httpx.AsyncClient) -> None:
+    outcomes: dict[str, tuple[int, str]] = {}
+    for name, metadata in HOSTILE_METADATA.items():
+        for session_id in ("null", f'"{name}"'):
+            content = b'{"agent": "echo", "message": "hi", "session_id": %s, "metadata": %s}'
+            response = await post_raw(client, content % (session_id.encode(), metadata))
+            outcomes[f"POST {name} session_id={session_id}"] = outcome(response)
+    for name, fields in HOSTILE_FIELDS.items():
+        for sid in (None, name):
+            response = await client.post("/v1/runs", json={**VALID, "session_id": sid, **fields})
+            outcomes[f"POST {name} session_id={sid}"] = outcome(response)
+    # What was stored must not break reading it back, for this session or any other.
+    for name in [*HOSTILE_METADATA, *HOSTILE_FIELDS]:
+        for route in ("", "/messages", "/runs"):
+            url = f"/v1/sessions/{name}{route}"
+            outcomes[f"GET {url}"] = outcome(await client.get(url))
+    outcomes["GET /v1/sessions"] = outcome(await client.get("/v1/sessions"))
+
+    assert_no_server_errors(outcomes)

@@ -1,0 +1,130 @@
+"""/openapi.json: a stable operationId per route, problem+json errors, a valid document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from tests.api.helpers import PROBLEM_JSON, Json, listing
+
+OPERATIONS = {
+    ("post", "/v1/runs"): "create_run",
+    ("get", "/v1/runs/{run_id}"): "get_run",
+    ("get", "/v1/sessions"): "list_sessions",
+    ("get", "/v1/sessions/{session_id}"): "get_session",
+    ("get", "/v1/sessions/{session_id}/messages"): "list_messages",
+    ("get", "/v1/sessions/{session_id}/runs"): "list_session_runs",
+    ("delete", "/v1/sessions/{session_id}"): "delete_session",
+    ("get", "/v1/agents"): "list_agents",
+    ("get", "/v1/agents/{name}"): "get_agent",
+    ("get", "/healthz"): "healthz",
+    ("get", "/readyz"): "readyz",
+}
+PROBLEM_REF = "#/components/schemas/Problem"
+HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
+
+
+async def fetch_openapi(agents_file: Path) -> Json:
+    """GET /openapi.json of a freshly built app (the document needs no database)."""
+    app = create_app(Settings(database_url="memory://", agents_file=agents_file))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.get("/openapi.json")
+    assert response.status_code == 200, response.text
+    document: Json = response.json()
+    return document
+
+
+@pytest.fixture
+async def openapi(agents_file: Path) -> Json:
+    """The OpenAPI document."""
+    return await fetch_openapi(agents_file)
+
+
+def operations(document: Json) -> dict[tuple[str, str], Json]:
+    """Every operation of the document by (method, path)."""
+    return {
+        (method, path): operation
+        for path, item in document["paths"].items()
+        for method, operation in item.items()
+        if method in HTTP_METHODS
+    }
+
+
+async def test_every_route_has_its_stable_operation_id(openapi: Json, agents_file: Path) -> None:
+    ids = {key: op.get("operationId") for key, op in operations(openapi).items()}
+
+    assert ids == OPERATIONS
+    assert len(set(ids.values())) == len(ids)
+    rebuilt = await fetch_openapi(agents_file)
+    assert json.dumps(rebuilt, sort_keys=True) == json.dumps(openapi, sort_keys=True)
+
+
+def test_errors_are_documented_as_problems(openapi: Json) -> None:
+    wrong: dict[str, Any] = {}
+    for (method, path), operation in operations(openapi).items():
+        for status, response in operation["responses"].items():
+            if not status.startswith(("4", "5")):
+                continue
+            content = response.get("content", {})
+            schema = content.get(PROBLEM_JSON, {}).get("schema", {})
+            if schema.get("$ref") != PROBLEM_REF or "HTTPValidationError" in json.dumps(content):
+                wrong[f"{method.upper()} {path} {status}"] = content
+
+    assert not wrong, f"errors not documented as problem+json Problem:\n{listing(wrong)}"
+    problem = openapi["components"]["schemas"]["Problem"]
+    assert set(problem["required"]) >= {"type", "title", "status", "detail", "code"}
+
+
+def test_problem_statuses_of_each_route(openapi: Json) -> None:
+    ops = operations(openapi)
+
+    def statuses(method: str, path: str) -> set[str]:
+        return set(ops[(method, path)]["responses"])
+
+    assert statuses("post", "/v1/runs") >= {"200", "403", "404", "409", "413", "422", "503"}
+    assert statuses("get", "/v1/runs/{run_id}") >= {"200", "404"}
+    for method, path in OPERATIONS:
+        if "{session_id}" in path:
+            assert statuses(method, path) >= {"404", "422"}, (method, path)
+    assert statuses("delete", "/v1/sessions/{session_id}") >= {"204", "409"}
+    assert statuses("get", "/v1/agents/{name}") >= {"200", "404"}
+    for path in ("/v1/sessions", "/v1/agents"):
+        assert "422" in statuses("get", path), path
+
+
+def test_bodies_are_described(openapi: Json) -> None:
+    schemas = openapi["components"]["schemas"]
+    create = openapi["paths"]["/v1/runs"]["post"]
+    body_ref = create["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    run_ref = create["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    body = schemas[body_ref.rsplit("/", 1)[-1]]
+    run = schemas[run_ref.rsplit("/", 1)[-1]]
+
+    assert set(body["required"]) == {"agent", "message"}
+    assert set(body["properties"]) == {"agent", "message", "session_id", "user_id", "metadata"}
+    assert body.get("additionalProperties") is False
+    assert set(run["properties"]) >= {
+        "run_id",
+        "session_id",
+        "status",
+        "response",
+        "iterations",
+        "messages",
+        "usage",
+        "error",
+        "created_at",
+        "finished_at",
+    }
+
+
+def test_document_is_valid_openapi(openapi: Json) -> None:
+    validator = pytest.importorskip("openapi_spec_validator")
+
+    validator.validate(openapi)

@@ -1,0 +1,151 @@
+"""POST /v1/runs and GET /v1/runs/{run_id}: stateless and durable turns, model failures."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import httpx
+
+from tests.api.helpers import Json, assert_problem, get_ok, run
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.tool_server import ToolServer
+
+RUN_FIELDS = {"run_id", "session_id", "status", "response", "iterations", "messages", "usage"}
+TRIAGE_ROLES = ["user", "assistant", "tool", "tool", "assistant"]
+
+
+def assert_completed_triage(body: Json, message: str) -> None:
+    """A finished `triage` turn: one tool step (get_issue + post_slack), then the final text."""
+    assert RUN_FIELDS | {"error"} <= body.keys(), body
+    assert body["status"] == "complete"
+    assert body["error"] is None
+    assert body["iterations"] == 2
+    assert body["response"].startswith("done after 1 steps")
+    messages = body["messages"]
+    assert [m["role"] for m in messages] == TRIAGE_ROLES
+    assert messages[0]["content"] == message
+    assert [c["name"] for c in messages[1]["tool_calls"]] == ["get_issue", "post_slack"]
+    assert messages[-1]["content"] == body["response"]
+    usage = body["usage"]
+    assert set(usage) == {"input_tokens", "output_tokens"}
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+
+
+async def test_stateless_run_answers_and_writes_nothing(
+    client: httpx.AsyncClient, tool_server: ToolServer
+) -> None:
+    body = await run(client, "triage", "triage issue 7")
+
+    assert body["session_id"] is None
+    assert_completed_triage(body, "triage issue 7")
+    assert tool_server.count("get_issue") == tool_server.count("post_slack") == 1
+    assert (await get_ok(client, "/v1/sessions")) == {"data": [], "next_after": None}
+    for run_id in (body["run_id"], "00000000-0000-0000-0000-000000000000", "nope"):
+        assert_problem(await client.get(f"/v1/runs/{run_id}"), 404, "run_not_found")
+
+
+async def test_durable_run_is_recorded_with_its_messages(client: httpx.AsyncClient) -> None:
+    body = await run(client, "triage", "triage issue 7", session_id="s-1", metadata={"k": 1})
+
+    assert body["session_id"] == "s-1"
+    assert_completed_triage(body, "triage issue 7")
+    assert [m["seq"] for m in body["messages"]] == [1, 2, 3, 4, 5]
+    assert {m["run_id"] for m in body["messages"]} == {body["run_id"]}
+
+    record = await get_ok(client, f"/v1/runs/{body['run_id']}")
+    for field in sorted(RUN_FIELDS | {"error", "metadata"}):
+        assert record[field] == body[field], field
+    created = datetime.fromisoformat(record["created_at"])
+    finished = datetime.fromisoformat(record["finished_at"])
+    assert created <= finished
+
+    history = await get_ok(client, "/v1/sessions/s-1/messages")
+    assert history["data"] == record["messages"]
+    # The final answer of a turn that used tools is stored too.
+    assert history["data"][-1]["role"] == "assistant"
+    assert history["data"][-1]["content"] == body["response"]
+
+
+async def test_second_turn_appends_to_the_session(
+    client: httpx.AsyncClient, fake_model: FakeAnthropic
+) -> None:
+    first = await run(client, "echo", "one", session_id="chat")
+    second = await run(client, "echo", "two", session_id="chat")
+
+    assert [m["seq"] for m in first["messages"]] == [1, 2]
+    assert [m["seq"] for m in second["messages"]] == [3, 4]
+    assert second["response"] == "echo: two"
+    sent = fake_model.requests[-1]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+
+    history = (await get_ok(client, "/v1/sessions/chat/messages"))["data"]
+    assert [(m["seq"], m["role"], m["content"]) for m in history] == [
+        (1, "user", "one"),
+        (2, "assistant", "echo: one"),
+        (3, "user", "two"),
+        (4, "assistant", "echo: two"),
+    ]
+    assert [m["run_id"] for m in history] == [first["run_id"]] * 2 + [second["run_id"]] * 2
+    assert (await get_ok(client, "/v1/sessions/chat"))["message_count"] == 4
+
+
+async def test_model_failure_is_a_run_error_and_writes_no_history(
+    client: httpx.AsyncClient, tool_server: ToolServer
+) -> None:
+    for agent, error_type in [("broken-model", "api_error"), ("overloaded", "overloaded_error")]:
+        for session_id in (None, f"failing-{agent}"):
+            body = await run(client, agent, "hello", session_id=session_id)
+
+            assert body["status"] == "error", body
+            assert body["session_id"] == session_id
+            assert body["response"] is None
+            assert body["error"]["type"] == error_type
+            assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+        messages = await client.get(f"/v1/sessions/failing-{agent}/messages")
+        # Whether or not the failed turn left an empty session behind, it left no history.
+        if messages.status_code != 404:
+            assert messages.status_code == 200, messages.text
+            assert messages.json()["data"] == []
+    assert tool_server.invocations == []
+
+
+async def test_model_failure_leaves_the_history_as_it_was(
+    client: httpx.AsyncClient, fake_model: FakeAnthropic
+) -> None:
+    for status, error_type in [(500, "api_error"), (529, "overloaded_error")]:
+        chat = f"chat-{status}"
+        await run(client, "echo", "one", session_id=chat)
+        before = await get_ok(client, f"/v1/sessions/{chat}/messages")
+
+        fake_model.fail_next(1, status)
+        failed = await run(client, "echo", "two", session_id=chat)
+
+        assert failed["status"] == "error"
+        assert failed["error"]["type"] == error_type
+        assert (await get_ok(client, f"/v1/sessions/{chat}"))["message_count"] == 2
+        assert await get_ok(client, f"/v1/sessions/{chat}/messages") == before
+        record = await get_ok(client, f"/v1/runs/{failed['run_id']}")
+        assert record["status"] == "error"
+        assert record["error"] == failed["error"]
+        assert record["messages"] == []
+
+        # The failed turn's message is not part of what the model sees next.
+        third = await run(client, "echo", "three", session_id=chat)
+        assert [m["seq"] for m in third["messages"]] == [3, 4]
+        contents = [m["content"] for m in fake_model.requests[-1]["messages"]]
+        assert "two" not in json.dumps(contents)
+
+
+async def test_metadata_is_kept_on_the_session_and_on_each_run(client: httpx.AsyncClient) -> None:
+    first = await run(client, "echo", "one", session_id="meta", metadata={"ticket": "T-1"})
+    second = await run(client, "echo", "two", session_id="meta", metadata={"step": 2})
+
+    assert first["metadata"] == {"ticket": "T-1"}
+    assert second["metadata"] == {"step": 2}
+    session = await get_ok(client, "/v1/sessions/meta")
+    assert session["metadata"] == {"ticket": "T-1"}
+    assert (await get_ok(client, f"/v1/runs/{first['run_id']}"))["metadata"] == {"ticket": "T-1"}
+    assert (await get_ok(client, f"/v1/runs/{second['run_id']}"))["metadata"] == {"step": 2}
+    runs = (await get_ok(client, "/v1/sessions/meta/runs"))["data"]
+    assert [r["metadata"] for r in runs] == [{"step": 2}, {"ticket": "T-1"}]

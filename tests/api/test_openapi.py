@@ -25,6 +25,7 @@ OPERATIONS = {
     ("get", "/v1/agents/{name}"): "get_agent",
     ("get", "/healthz"): "healthz",
     ("get", "/readyz"): "readyz",
+    ("get", "/metrics"): "get_metrics",
 }
 PROBLEM_REF = "#/components/schemas/Problem"
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}

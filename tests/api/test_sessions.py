@@ -37,7 +37,8 @@ SESSION_ROUTES = ["", "/messages", "/runs"]
 async def test_session_fields(client: httpx.AsyncClient) -> None:
     await run(client, "triage", "issue 7", session_id="s-1", user_id="u-1", metadata={"a": [1]})
 
-    session = await get_ok(client, "/v1/sessions/s-1")
+    # A session created with a user_id is read with that user_id (the query parameter).
+    session = await get_ok(client, "/v1/sessions/s-1", user_id="u-1")
 
     assert session.keys() >= SESSION_FIELDS, session
     assert session["id"] == "s-1"
@@ -180,6 +181,9 @@ async def test_session_created_with_a_user_serves_only_that_user(
         assert_problem(await client.post("/v1/runs", json=body), 403, "session_access_denied")
 
     assert len(fake_model.requests) == asked
-    assert (await get_ok(client, "/v1/sessions/mine"))["message_count"] == 2
+    for other_user in ({"user_id": "mallory"}, {}):
+        response = await client.get("/v1/sessions/mine", params=other_user)
+        assert_problem(response, 403, "session_access_denied")
+    assert (await get_ok(client, "/v1/sessions/mine", user_id="alice"))["message_count"] == 2
     same = await run(client, "echo", "again", session_id="mine", user_id="alice")
     assert [m["seq"] for m in same["messages"]] == [3, 4]

@@ -55,6 +55,6 @@ async def readyz(services: ServicesDep) -> Any:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(services: ServicesDep) -> PlainTextResponse:
+async def get_metrics(services: ServicesDep) -> PlainTextResponse:
     """Prometheus text format."""
     return PlainTextResponse(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,1 @@
+"""Session ownership, Idempotency-Key and tenants, through real `agent-runner serve` processes."""

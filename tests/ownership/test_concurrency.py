@@ -1,0 +1,73 @@
+"""One run at a time per session (CONTRACT §4): in one process, and across processes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+
+from tests.ownership.conftest import Servers
+from tests.ownership.helpers import (
+    POSTGRES_ONLY,
+    Json,
+    assert_busy,
+    fire_together,
+    history,
+    ok,
+    run_body,
+    session_runs,
+)
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+
+def split(responses: list[httpx.Response]) -> tuple[Json, list[Json]]:
+    """The one 200's run and the other answers' problems (each a 409 session_busy)."""
+    statuses = Counter(r.status_code for r in responses)
+    winners = [r for r in responses if r.status_code == 200]
+    assert len(winners) == 1, (statuses, [r.text for r in responses if r.status_code != 409])
+    return ok(winners[0]), [assert_busy(r) for r in responses if r is not winners[0]]
+
+
+def assert_ran_once(server: ServerProcess, run: Json, tool_server: ToolServer) -> None:
+    """The winner finished its turn alone, and each of its tools was invoked exactly once."""
+    assert run["status"] == "complete", run
+    assert tool_server.count("get_issue") == 1, tool_server.invocations
+    assert tool_server.count("post_slack") == 1, tool_server.invocations
+    session_id = run["session_id"]
+    with server.client() as client:
+        assert [r["run_id"] for r in session_runs(client, session_id)] == [run["run_id"]]
+        assert {m["run_id"] for m in history(client, session_id)} == {run["run_id"]}
+
+
+def test_twenty_concurrent_posts_on_one_session(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """Exactly one of 20 simultaneous turns runs; the 19 others are 409 naming the winner."""
+    server = servers.start("server")
+    fake_model.set_delay(0.8)  # the winner holds the session well past the last arrival
+    body = run_body("triage", "Triage issue 7", "s-twenty")
+    run, busy = split(fire_together([(server.url, body)] * 20))
+    assert len(busy) == 19
+    assert [p["active_run_id"] for p in busy] == [run["run_id"]] * 19
+    assert_ran_once(server, run, tool_server)
+
+
+@POSTGRES_ONLY
+def test_concurrent_posts_across_two_processes(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """Two replicas on one PostgreSQL, ten requests each at once: one turn runs, in one place."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    fake_model.set_delay(0.8)
+    body = run_body("triage", "Triage issue 8", "s-replicas")
+    run, busy = split(fire_together([(a.url, body)] * 10 + [(b.url, body)] * 10))
+    assert len(busy) == 19
+    # A replica may not know the holder's run id yet (null); it must never name another run.
+    named = Counter(p["active_run_id"] for p in busy if p["active_run_id"] is not None)
+    with a.client() as client:
+        lookups = {run_id: client.get(f"/v1/runs/{run_id}").status_code for run_id in named}
+    assert set(named) <= {run["run_id"]}, (named, "GET /v1/runs/{id}:", lookups)
+    assert_ran_once(a, run, tool_server)

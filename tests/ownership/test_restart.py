@@ -1,0 +1,154 @@
+"""After a crash: runs tell the truth, a restart releases, and a resubmission resumes (§4)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.ownership.conftest import Servers
+from tests.ownership.helpers import (
+    Background,
+    assert_durability_error,
+    assert_history_consistent,
+    history,
+    ok,
+    result_of,
+    run_body,
+    run_status,
+    session_runs,
+    session_status,
+    tool_calls,
+    user_messages,
+)
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+pytestmark = pytest.mark.crash
+
+FAILPOINT_EXIT = 137
+
+
+def crash_with_failpoint(
+    server: ServerProcess, body: dict[str, object], headers: dict[str, str] | None = None
+) -> None:
+    """POST `body` to a server armed with a failpoint and see the process die there."""
+    with server.client(timeout=30) as client, pytest.raises(httpx.TransportError):
+        client.post("/v1/runs", json=body, headers=headers)
+    assert server.wait() == FAILPOINT_EXIT, server.logs()
+
+
+def test_kill_mid_handler_then_restart_and_resubmit_without_key(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """The crashed run reads `interrupted`, the session `needs_resume`; a restart releases the
+    session at once, and a resubmission without a key repairs orphans and starts a new turn."""
+    session, message = "s-restart", "Post the slow report"
+    body = run_body("slow", message, session)
+    crashed = servers.start("crashed")
+    on_crashed = Background(crashed.url, body)
+    assert tool_server.in_flight.wait(15), crashed.logs()
+    crashed.kill()
+    assert isinstance(on_crashed.join(5), httpx.TransportError)
+    tool_server.release()  # the new turn posts again (a new call); it must not block
+    (issue,) = [i for i in tool_server.invocations if i.tool == "get_issue"]
+    (slow,) = [i for i in tool_server.invocations if i.tool == "slow_post"]
+
+    with servers.start("restarted").client() as client:
+        (crashed_run,) = session_runs(client, session)
+        crashed_id = crashed_run["run_id"]
+        assert crashed_run["status"] == "interrupted", crashed_run
+        assert run_status(client, crashed_id) == "interrupted"
+        assert session_status(client, session) == "needs_resume"
+        before = history(client, session)
+        assert {m["run_id"] for m in before} == {crashed_id}
+
+        run = ok(client.post("/v1/runs", json=body))  # at once: the dead runner holds nothing
+        messages = history(client, session)
+        assert session_status(client, session) == "idle"
+        crashed_after = ok(client.get(f"/v1/runs/{crashed_id}"))
+
+    assert run["status"] == "complete", run
+    assert run["run_id"] != crashed_id
+    assert crashed_after["status"] == "interrupted"
+    assert crashed_after["finished_at"] is not None
+    users = user_messages(messages, message)
+    assert [m["run_id"] for m in users] == [crashed_id, run["run_id"]]
+    assert tool_server.per_call("slow_post")[slow.tool_call_id] == 1
+    assert_durability_error(
+        result_of(messages, slow.tool_call_id), tool="slow_post", call_id=slow.tool_call_id
+    )
+    assert tool_server.per_call("get_issue")[issue.tool_call_id] == 2  # safe_to_retry: re-run
+    assert result_of(messages, issue.tool_call_id)["is_error"] is False
+    assert messages[: len(before)] == before
+    assert_history_consistent(messages)
+
+
+def crash_keyed_turn(
+    servers: Servers, failpoint: str, body: dict[str, object], key: str
+) -> ServerProcess:
+    """Crash a keyed turn at `failpoint`; a restarted server without failpoints."""
+    crash_with_failpoint(
+        servers.start("crashed", failpoints=failpoint), body, {"Idempotency-Key": key}
+    )
+    return servers.start("restarted")
+
+
+def test_interrupted_keyed_turn_after_handlers_is_continued(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """Same key after a crash past the handlers: the same run goes on, orphans repaired."""
+    session, message, key = "s-keyed-handlers", "Triage issue 21", "turn-21"
+    body = run_body("triage", message, session)
+    restarted = crash_keyed_turn(servers, "after-handlers", body, key)
+    (issue,) = [i for i in tool_server.invocations if i.tool == "get_issue"]
+    (post,) = [i for i in tool_server.invocations if i.tool == "post_slack"]
+    with restarted.client() as client:
+        (crashed,) = session_runs(client, session)
+        assert {m["run_id"] for m in history(client, session)} == {crashed["run_id"]}
+        response = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        run = ok(response)
+        messages = history(client, session)
+        model_calls = len(fake_model.requests)
+        replay = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+    assert "idempotent-replayed" not in response.headers
+    assert run["run_id"] == crashed["run_id"]
+    assert run["status"] == "complete", run
+    assert [m["run_id"] for m in user_messages(messages, message)] == [run["run_id"]]
+    assert {m["run_id"] for m in messages} == {run["run_id"]}
+    assert tool_server.per_call("post_slack")[post.tool_call_id] == 1
+    assert_durability_error(
+        result_of(messages, post.tool_call_id), tool="post_slack", call_id=post.tool_call_id
+    )
+    assert tool_server.per_call("get_issue")[issue.tool_call_id] == 2
+    assert result_of(messages, issue.tool_call_id)["is_error"] is False
+    assert len(tool_server.invocations) == 3
+    assert_history_consistent(messages)
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert ok(replay)["run_id"] == run["run_id"]
+    assert len(fake_model.requests) == model_calls
+
+
+def test_interrupted_keyed_turn_before_write_1_is_continued(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """Same key after a crash before write #1: the same run goes on, its message stored once."""
+    session, message, key = "s-keyed-write-1", "Triage issue 22", "turn-22"
+    body = run_body("triage", message, session)
+    restarted = crash_keyed_turn(servers, "before-write-1", body, key)
+    assert tool_server.invocations == []
+    with restarted.client() as client:
+        (crashed,) = session_runs(client, session)
+        assert history(client, session) == []
+        response = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        run = ok(response)
+        messages = history(client, session)
+        assert [r["run_id"] for r in session_runs(client, session)] == [crashed["run_id"]]
+    assert "idempotent-replayed" not in response.headers
+    assert run["run_id"] == crashed["run_id"]
+    assert run["status"] == "complete", run
+    assert [m["run_id"] for m in user_messages(messages, message)] == [run["run_id"]]
+    assert {m["run_id"] for m in messages} == {run["run_id"]}
+    assert sorted(c["name"] for c in tool_calls(messages)) == ["get_issue", "post_slack"]
+    assert sorted(i.tool for i in tool_server.invocations) == ["get_issue", "post_slack"]
+    assert_history_consistent(messages)

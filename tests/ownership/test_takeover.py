@@ -1,0 +1,155 @@
+"""A dead or stalled holder loses its sessions on PostgreSQL (§4), and then does nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.ownership.conftest import Servers
+from tests.ownership.helpers import (
+    POSTGRES_ONLY,
+    Background,
+    assert_durability_error,
+    assert_history_consistent,
+    assert_problem,
+    history,
+    ok,
+    post_until_not_busy,
+    result_of,
+    run_body,
+    session_runs,
+    tool_calls,
+    wait_until,
+)
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.tool_server import ToolServer
+
+pytestmark = [pytest.mark.crash, POSTGRES_ONLY]
+
+
+def test_kill_9_of_the_holder_then_another_process_takes_over(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """B takes the session within 5 s of A's kill -9; A's in-flight side effect never reruns."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    body = run_body("slow", "Post the slow report", "s-kill")
+    on_a = Background(a.url, body)
+    assert tool_server.in_flight.wait(15), a.logs()
+    (issue,) = [i for i in tool_server.invocations if i.tool == "get_issue"]
+    (in_flight,) = [i for i in tool_server.invocations if i.tool == "slow_post"]
+    a.kill()
+    killed_at = time.monotonic()
+    assert isinstance(on_a.join(5), httpx.TransportError)
+    tool_server.release()  # B's new turn posts again (a new call); it must not block
+    with b.client() as client:
+        response = post_until_not_busy(client, body, deadline=killed_at + 5)
+        took = time.monotonic() - killed_at
+        run = ok(response)
+        assert took < 5, f"took over after {took:.1f}s"
+        assert run["status"] == "complete", run
+        messages = history(client, "s-kill")
+        runs = {r["run_id"]: r["status"] for r in session_runs(client, "s-kill")}
+    assert tool_server.per_call("slow_post")[in_flight.tool_call_id] == 1, tool_server.invocations
+    orphan = result_of(messages, in_flight.tool_call_id)
+    assert_durability_error(orphan, tool="slow_post", call_id=in_flight.tool_call_id)
+    assert tool_server.per_call("get_issue")[issue.tool_call_id] == 2  # safe_to_retry: re-run
+    assert_history_consistent(messages)
+    crashed = {m["run_id"] for m in messages} - {run["run_id"]}
+    assert len(crashed) == 1, messages
+    assert runs == {run["run_id"]: "complete", crashed.pop(): "interrupted"}
+
+
+def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """A paused holder loses the session; resumed, it writes nothing and calls no tool."""
+    env = {"SESSION_TAKEOVER_AFTER_S": "2"}
+    a, b = servers.new("a", env=env), servers.new("b", env=env)
+    servers.start_all(a, b)
+    assert a.process is not None
+    session = "s-paused"
+    body = run_body("triage", "Triage issue 9", session)
+    fake_model.set_delay(3)  # A's first model call is still unanswered when it is paused
+    on_a = Background(a.url, body)
+    wait_until(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
+    a.process.send_signal(signal.SIGSTOP)
+    try:
+        fake_model.set_delay(0)
+        with b.client() as client:
+            run = ok(post_until_not_busy(client, body, deadline=time.monotonic() + 10))
+            assert run["status"] == "complete", run
+            invocations = tool_server.invocations
+            before = history(client, session)
+    finally:
+        a.process.send_signal(signal.SIGCONT)
+    answer = on_a.join(15)
+    if isinstance(answer, httpx.Response):
+        assert_problem(answer, 409, "session_busy")
+    time.sleep(1.5)  # A's chance to misbehave: a late write or tool call would land by now
+    assert tool_server.invocations == invocations
+    assert [i.tool for i in invocations] == ["get_issue", "post_slack"], invocations
+    with b.client() as client:
+        assert history(client, session) == before
+        runs = {r["run_id"]: r["status"] for r in session_runs(client, session)}
+    assert {m["run_id"] for m in before} == {run["run_id"]}
+    assert len(runs) == 2 and runs.pop(run["run_id"]) == "complete", runs
+    assert list(runs.values()) == ["interrupted"]  # A's run
+
+
+def drop_lock_connections(database_url: str) -> int:
+    """Terminate the backends holding advisory locks in the test database (a partition)."""
+
+    async def run() -> int:
+        conn = await asyncpg.connect(database_url)
+        try:
+            rows = await conn.fetch(
+                """
+                SELECT pg_terminate_backend(pid) FROM pg_locks
+                WHERE locktype = 'advisory' AND granted
+                  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                """
+            )
+        finally:
+            await conn.close()
+        return len(rows)
+
+    return asyncio.run(run())
+
+
+def test_holder_that_lost_its_lock_dispatches_no_further_tool(
+    servers: Servers, database_url: str, tool_server: ToolServer
+) -> None:
+    """A's lock connection drops mid-step and B takes the session over: when A's handler
+    returns, A must not dispatch the step's next call (it reconnected, but owns nothing)."""
+    servers.add_agent(
+        "slow-then-post", model="plan:slow_post,post_slack", tools=["slow_post", "post_slack"]
+    )
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session, key = "s-partition", {"Idempotency-Key": "turn-31"}
+    body = run_body("slow-then-post", "Post the report, then tell the channel", session)
+    on_a = Background(a.url, body, headers=key)
+    assert tool_server.in_flight.wait(15), a.logs()
+    (slow,) = tool_server.invocations
+    assert drop_lock_connections(database_url) == 1  # A's lock, and with it the session, is gone
+    wait_until(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
+    with b.client() as client:  # B continues the keyed turn: both calls are orphans
+        run = ok(post_until_not_busy(client, body, headers=key, deadline=time.monotonic() + 5))
+        assert run["status"] == "complete", run
+        messages = history(client, session)
+    (post,) = [c for c in tool_calls(messages) if c["name"] == "post_slack"]
+    assert_durability_error(result_of(messages, post["id"]), tool="post_slack", call_id=post["id"])
+    tool_server.release()  # A's slow_post handler answers; A goes on with its step
+    answer = on_a.join(15)
+    if isinstance(answer, httpx.Response):
+        assert_problem(answer, 409, "session_busy")
+    assert tool_server.per_call("slow_post") == {slow.tool_call_id: 1}
+    assert tool_server.count("post_slack") == 0, tool_server.invocations
+    with b.client() as client:
+        assert history(client, session) == messages

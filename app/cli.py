@@ -46,6 +46,8 @@ class DrainingServer(uvicorn.Server):
             log.info("shutting down: no new runs; waiting for runs in progress")
         self._lifecycle.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn re-raises caught signals after shutting down; a drained exit is a clean one (0).
+        self._captured_signals.clear()
 
 
 @click.group()

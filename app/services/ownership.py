@@ -60,31 +60,40 @@ def _key_parts(key: int) -> tuple[int, int]:
 
 
 class ActiveRuns:
-    """The sessions this process is running a turn on."""
+    """The sessions this process is working on, and the run on each once it has started.
+
+    A claim is pending (no run id) until the session is really owned, so a 409 never names
+    a run that is only waiting for the database lock — or a deletion.
+    """
 
     def __init__(self) -> None:
-        self._runs: dict[str, str] = {}
+        self._runs: dict[str, str | None] = {}
 
-    def claim(self, session_id: str, run_id: str) -> None:
-        """Take the session for `run_id`, or raise SessionBusy."""
-        active = self._runs.get(session_id)
-        if active is not None:
-            raise SessionBusy(session_id, active)
+    def claim(self, session_id: str) -> None:
+        """Take the session for this process, or raise SessionBusy."""
+        if session_id in self._runs:
+            raise SessionBusy(session_id, self._runs[session_id])
+        self._runs[session_id] = None
+
+    def confirm(self, session_id: str, run_id: str | None) -> None:
+        """The session is owned; `run_id` (if any) is what runs on it."""
         self._runs[session_id] = run_id
 
     def release(self, session_id: str) -> None:
         """Give the session back."""
         self._runs.pop(session_id, None)
 
-    def active_run(self, session_id: str) -> str | None:
-        """The run in progress on the session here, if any."""
-        return self._runs.get(session_id)
+    def holds(self, session_id: str) -> bool:
+        """Whether this process is working on the session."""
+        return session_id in self._runs
 
 
 class Ownership(Protocol):
     active: ActiveRuns
 
-    def hold(self, session_id: str, run_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+    def hold(
+        self, session_id: str, run_id: str | None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """Own the session for the block, or raise SessionBusy (active_run_id may be None)."""
         ...
 
@@ -104,6 +113,10 @@ class Ownership(Protocol):
         """Open what ownership needs."""
         ...
 
+    async def ping(self) -> None:
+        """Raise ConnectionError unless ownership can be taken now."""
+        ...
+
     async def stop(self) -> None:
         """Release everything."""
         ...
@@ -116,8 +129,9 @@ class LocalOwnership:
         self.active = ActiveRuns()
 
     @asynccontextmanager
-    async def hold(self, session_id: str, run_id: str) -> AsyncIterator[None]:
-        self.active.claim(session_id, run_id)
+    async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
+        self.active.claim(session_id)
+        self.active.confirm(session_id, run_id)
         try:
             yield
         finally:
@@ -130,9 +144,12 @@ class LocalOwnership:
         return None
 
     async def is_held(self, session_id: str) -> bool:
-        return self.active.active_run(session_id) is not None
+        return self.active.holds(session_id)
 
     async def start(self) -> None:
+        return None
+
+    async def ping(self) -> None:
         return None
 
     async def stop(self) -> None:
@@ -149,6 +166,7 @@ class PostgresOwnership:
         self._takeover_after_s = takeover_after_s
         self._conn: asyncpg.Connection | None = None
         self._pid = -1
+        self._held: set[str] = set()  # sessions locked on the current connection
         self._io = asyncio.Lock()  # one query at a time on the lock connection
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
@@ -170,15 +188,18 @@ class PostgresOwnership:
                 await self._conn.close()
 
     @asynccontextmanager
-    async def hold(self, session_id: str, run_id: str) -> AsyncIterator[None]:
-        self.active.claim(session_id, run_id)
+    async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
+        self.active.claim(session_id)
         try:
             key = lock_key(session_id)
             if not await self._try_lock(key) and not await self._take_over(key):
                 raise SessionBusy(session_id, None)
+            self._held.add(session_id)
+            self.active.confirm(session_id, run_id)
             try:
                 yield
             finally:
+                self._held.discard(session_id)
                 await self._unlock(key)
         finally:
             self.active.release(session_id)
@@ -202,31 +223,30 @@ class PostgresOwnership:
 
     def check(self, session_id: str) -> None:
         stale = time.monotonic() - self._last_beat > self._takeover_after_s / 2
-        if self._conn is None or self._conn.is_closed() or stale:
+        lost = session_id not in self._held  # its lock went with an earlier connection
+        if self._conn is None or self._conn.is_closed() or stale or lost:
             raise SessionConflict(session_id)
 
     async def is_held(self, session_id: str) -> bool:
-        if self.active.active_run(session_id) is not None:
+        if self.active.holds(session_id):
             return True
         return await self._holder(lock_key(session_id)) is not None
 
     async def _connect(self) -> None:
         conn = await asyncpg.connect(self._dsn, timeout=5)
         self._pid = await conn.fetchval("SELECT pg_backend_pid()")
+        self._held = set()  # a new connection holds no lock
         self._conn = conn
         self._last_beat = time.monotonic()
 
     async def _beat(self) -> None:
-        """Heartbeat on the lock connection; reconnect (holding nothing) when it is lost."""
+        """Heartbeat on the lock connection, re-opening it (holding nothing) when it was lost."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 async with self._io:
-                    if self._conn is None or self._conn.is_closed():
-                        await self._connect()
-                        log.info("ownership connection re-established")
-                        continue
-                    await self._conn.fetchval("SELECT 1", timeout=self._heartbeat_s * 2)
+                    conn = await self._connection()
+                    await conn.fetchval("SELECT 1", timeout=self._heartbeat_s * 2)
                 self._last_beat = time.monotonic()
             except Exception as exc:
                 # Every lock died with the connection; runs in flight fail their next fence.
@@ -235,11 +255,27 @@ class PostgresOwnership:
                     self._conn.terminate()
                     self._conn = None
 
+    async def _connection(self) -> asyncpg.Connection:
+        """The lock connection, re-opened on demand (call with `_io` held).
+
+        A new connection holds no lock, and fences name its pid: runs that held sessions on the
+        old one keep failing their writes and checks.
+        """
+        if self._conn is None or self._conn.is_closed():
+            try:
+                await self._connect()
+            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+                raise ConnectionError("the ownership connection is down") from exc
+        assert self._conn is not None
+        return self._conn
+
+    async def ping(self) -> None:
+        """Raise ConnectionError unless the lock connection answers."""
+        await self._query("SELECT 1")
+
     async def _query(self, sql: str, *args: Any) -> Any:
         async with self._io:
-            if self._conn is None or self._conn.is_closed():
-                raise ConnectionError("the ownership connection is down")
-            return await self._conn.fetchval(sql, *args)
+            return await (await self._connection()).fetchval(sql, *args)
 
     async def _try_lock(self, key: int) -> bool:
         return bool(await self._query("SELECT pg_try_advisory_lock($1)", key))
@@ -252,9 +288,7 @@ class PostgresOwnership:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
         hi, lo = _key_parts(key)
         async with self._io:
-            if self._conn is None or self._conn.is_closed():
-                raise ConnectionError("the ownership connection is down")
-            row = await self._conn.fetchrow(
+            row = await (await self._connection()).fetchrow(
                 """
                 SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid

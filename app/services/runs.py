@@ -109,14 +109,14 @@ class RunService:
         if not self.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
-        if idempotency_key is not None:
-            earlier = await self._keyed_run(turn, body)
-            if earlier is not None and earlier.status not in UNFINISHED:
-                replay = await self.get(earlier.id, tenant_id=tenant_id, user_id=body.user_id)
-                return RunResult(replay, replayed=True)
-            if earlier is not None:
-                turn.run_id = earlier.id
-        logs.bind(run_id=turn.run_id)
+        # Access is checked before the session is claimed, so a busy session is not revealed
+        # to another tenant or user (and checked again once it is owned).
+        earlier = await self._precheck(turn, body)
+        if earlier is not None and earlier.status not in UNFINISHED:
+            replay = await self.get(earlier.id, tenant_id=tenant_id, user_id=body.user_id)
+            return RunResult(replay, replayed=True)
+        if earlier is not None:
+            turn.run_id = earlier.id
         async with self._owned(body.session_id, turn.run_id):
             return await self._run_owned(turn, body)
 
@@ -131,6 +131,7 @@ class RunService:
             yield
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
+        logs.bind(run_id=turn.run_id)
         agent = self.registry.agent(body.agent)
         history, unfinished, earlier, overtaken = await self._load(turn, body)
         if earlier is not None:
@@ -162,14 +163,18 @@ class RunService:
             fingerprint=fingerprint(body) if key is not None else None,
         )
 
-    async def _keyed_run(self, turn: Turn, body: RunCreate) -> models.Run | None:
-        """The run an earlier request with this key started; a different body is refused."""
-        assert body.session_id is not None and turn.idempotency_key is not None
+    async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
+        """May the caller use the session? The run an earlier request with this key started."""
+        assert body.session_id is not None
         async with self.sessions.begin() as session:
             row = await SessionRepository(session).get(body.session_id)
             if row is None:
                 return None
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
+            if row.agent != body.agent:
+                raise SessionAgentMismatch(row.id, row.agent, body.agent)
+            if turn.idempotency_key is None:
+                return None
             run = await RunRepository(session).by_idempotency_key(row.id, turn.idempotency_key)
         if run is not None and run.request_fingerprint != turn.fingerprint:
             raise IdempotencyKeyReused(turn.idempotency_key)

@@ -93,7 +93,9 @@ class SessionService:
 
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""
-        async with self.ownership.hold(session_id, "delete"), self.sessions.begin() as session:
+        async with self.sessions.begin() as session:  # not revealed by a 409 to others
+            await self._visible(session, session_id, tenant_id, user_id)
+        async with self.ownership.hold(session_id, None), self.sessions.begin() as session:
             await self._visible(session, session_id, tenant_id, user_id)
             await SessionRepository(session).delete(session_id)
 

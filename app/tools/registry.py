@@ -79,7 +79,9 @@ class ToolRegistry:
         try:
             value = await tool.handler(call.arguments, ctx)
         except ToolFailed as exc:
-            log.info("tool failed: %s", exc, extra=extra)
+            # The error text can carry a downstream body: not at INFO (the model reads it).
+            log.info("tool failed", extra=extra)
+            log.debug("tool failure detail: %s", exc, extra=extra)
             return ToolResult.error(call, str(exc) or "tool failed")
         except Exception as exc:  # a handler bug must not end the run; the model reads it
             log.warning("tool handler raised", exc_info=True, extra=extra)

@@ -36,6 +36,7 @@ async def readyz(services: ServicesDep) -> Any:
         async with services.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
             revision = await current_revision(conn) if services.db.durable else None
+        await services.runs.ownership.ping()
     except Exception as exc:
         return problem_response(
             status=503,

@@ -1,0 +1,1 @@
+"""Operability through the front door: deploy files, metrics, logs, shutdown, readiness."""

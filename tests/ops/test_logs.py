@@ -1,0 +1,197 @@
+"""Logs: JSON lines with the run's ids, one access line per request, no keys or contents.
+
+The JSON checks read the logs of the scenario in scenario.py (a crashed server and the one
+that resumed its run); the text and level check runs a server of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tests.ops.helpers import json_lines
+from tests.ops.scenario import SESSIONS, Scenario
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+TEXT_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>[\w.]+): (?P<rest>.*)$"
+)
+
+
+def _records(ops: Scenario) -> list[dict[str, Any]]:
+    return json_lines(ops.crash_log) + json_lines(ops.serve_log)
+
+
+def _orphaned_calls(ops: Scenario) -> dict[str, str]:
+    """Call id -> tool name of the calls the crash left without results."""
+    run_id = ops.answers["resume"][1]["run_id"]
+    return {
+        call["id"]: call["name"]
+        for message in ops.messages[SESSIONS["resume"]]
+        if message["role"] == "assistant" and message["run_id"] == run_id
+        for call in message["tool_calls"]
+    }
+
+
+def _tool_results(ops: Scenario, *, errors: bool) -> list[str]:
+    """The texts inside the stored tool results (ok ones, or the failed calls' error texts)."""
+    texts: list[str] = []
+    for messages in ops.messages.values():
+        for message in messages:
+            if message["role"] != "tool":
+                continue
+            result = json.loads(message["content"])
+            failed = isinstance(result, dict) and "error" in result
+            if failed and result.get("kind") == "tool-durability-error":
+                failed = False  # the runner's own text, not something the tool answered
+            if failed == errors:
+                texts.extend(_strings(result))
+    return [t for t in texts if len(t) >= 12]
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [
+            s for k, v in value.items() if k not in ("toolName", "toolCallId") for s in _strings(v)
+        ]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _info_lines_holding(ops: Scenario, texts: list[str]) -> list[str]:
+    return [
+        line
+        for record in _records(ops)
+        if record["level"] == "INFO"
+        for line in [json.dumps(record)]
+        if any(text in line or json.dumps(text)[1:-1] in line for text in texts)
+    ]
+
+
+def test_every_line_is_a_json_object_with_time_level_logger_and_message(ops: Scenario) -> None:
+    records = _records(ops)
+    assert len(records) > 20
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= record.keys(), record
+        assert record["level"] in LEVELS, record
+        datetime.fromisoformat(record["time"])
+        assert isinstance(record["logger"], str) and isinstance(record["message"], str)
+
+
+def test_lines_written_while_serving_a_durable_run_carry_its_ids(ops: Scenario) -> None:
+    records = _records(ops)
+    for action in ("resume", "ok", "tool_error", "model_error", "busy_first"):
+        answer = ops.answers[action][1]
+        mine = [r for r in records if r.get("run_id") == answer["run_id"]]
+        access = [r for r in mine if r["logger"] == "app.access" and r["path"] == "/v1/runs"]
+        assert access, f"no access line carries run_id {answer['run_id']} ({action})"
+        for record in mine:
+            assert record.get("session_id") == answer["session_id"], record
+            assert record.get("agent") == answer["agent"], record
+    model_failed = [r for r in records if r["message"] == "model call failed"]
+    assert [r.get("run_id") for r in model_failed] == [ops.answers["model_error"][1]["run_id"]]
+    failpoint = [r for r in json_lines(ops.crash_log) if r["logger"] == "app.failpoints"]
+    assert len(failpoint) == 1
+    assert failpoint[0].get("run_id") == ops.answers["resume"][1]["run_id"]
+    assert failpoint[0].get("session_id") == SESSIONS["resume"]
+    assert failpoint[0].get("agent") == "triage"
+
+
+def test_requests_outside_a_run_carry_no_run_ids(ops: Scenario) -> None:
+    for record in json_lines(ops.serve_log):
+        if record["logger"] == "app.access" and not record["path"].startswith("/v1/runs"):
+            assert not {"run_id", "session_id", "agent", "tool_call_id"} & record.keys(), record
+
+
+def test_tool_lines_carry_the_tool_call_id(ops: Scenario) -> None:
+    records = json_lines(ops.serve_log)
+    resumed = ops.answers["resume"][1]
+    repaired = [r for r in records if r["message"] == "repaired orphaned tool call"]
+    assert {r.get("tool_call_id") for r in repaired} == set(_orphaned_calls(ops))
+    for record in repaired:
+        assert record.get("run_id") == resumed["run_id"], record
+        assert record.get("session_id") == resumed["session_id"], record
+        assert record.get("agent") == "triage", record
+
+    failed_calls = [
+        m["tool_call_id"]
+        for m in ops.messages[SESSIONS["tool_error"]]
+        if m["role"] == "tool" and m["is_error"]
+    ]
+    failed = [r for r in records if r["logger"] == "app.tools.registry"]
+    assert [r.get("tool_call_id") for r in failed] == failed_calls
+    assert all(r.get("run_id") == ops.answers["tool_error"][1]["run_id"] for r in failed)
+
+
+def test_one_access_line_per_request(ops: Scenario) -> None:
+    access = [r for r in json_lines(ops.serve_log) if r["logger"] == "app.access"]
+    for record in access:
+        assert record["level"] == "INFO"
+        assert isinstance(record["duration_ms"], int | float) and record["duration_ms"] >= 0
+    logged = Counter((r["method"], r["path"], r["status"]) for r in access)
+    # ServerProcess.start() polls /healthz until the first 200 (the scenario never does).
+    health = ("GET", "/healthz", 200)
+    assert logged.pop(health, 0) >= 1
+    assert logged == Counter(ops.requests)
+
+
+def test_no_line_contains_an_api_key(ops: Scenario) -> None:
+    assert ops.rejected[0] == 401
+    for log in (ops.crash_log, ops.serve_log):
+        assert ops.api_key not in log
+        assert ops.wrong_key not in log
+
+
+def test_info_lines_hold_no_user_message_text_and_no_tool_results(ops: Scenario) -> None:
+    results = _tool_results(ops, errors=False)
+    assert any("Printer on fire" in text for text in results), results
+    assert _info_lines_holding(ops, [ops.marker]) == []
+    assert _info_lines_holding(ops, results) == []
+
+
+def test_info_lines_hold_no_tool_error_results(ops: Scenario) -> None:
+    errors = _tool_results(ops, errors=True)
+    assert errors, "the scenario has no failed tool call"
+    assert _info_lines_holding(ops, errors) == []
+
+
+def test_text_format_and_warning_level(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    server = ServerProcess(
+        database_url=f"sqlite:///{tmp_path / 'text.db'}",
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+        env={"LOG_FORMAT": "text", "LOG_LEVEL": "WARNING"},
+    )
+    with server, server.client() as client:
+        answer = client.post(
+            "/v1/runs", json={"agent": "broken-model", "message": "hi", "session_id": "t-1"}
+        )
+        assert answer.status_code == 200 and answer.json()["status"] == "error"
+        assert client.get("/readyz").status_code == 200
+    run_id = answer.json()["run_id"]
+
+    lines = server.logs().splitlines()
+    assert lines, "nothing was logged at WARNING"
+    for line in lines:
+        match = TEXT_LINE.match(line)
+        assert match, f"not a plain text log line: {line!r}"
+        assert match["level"] in ("WARNING", "ERROR", "CRITICAL"), line
+        assert match["logger"] != "app.access", line
+    failed = [line for line in lines if "model call failed" in line]
+    assert len(failed) == 1
+    assert f"run_id={run_id}" in failed[0]
+    assert "session_id=t-1" in failed[0] and "agent=broken-model" in failed[0]

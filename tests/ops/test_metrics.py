@@ -1,0 +1,87 @@
+"""GET /metrics: each number moves when its event happens (the scenario in scenario.py)."""
+
+from __future__ import annotations
+
+from tests.ops.helpers import increase, value
+from tests.ops.scenario import Scenario
+
+RUNS = "agent_runner_runs_total"
+TOOL_CALLS = "agent_runner_tool_calls_total"
+TRIAGE_MODEL = "plan:get_issue,post_slack"
+
+
+def test_the_scenario_ran_as_planned(ops: Scenario) -> None:
+    assert ops.crash_exit != 0, ops.crash_log
+    for action in ("resume", "ok", "tool_error", "busy_first"):
+        status, body = ops.answers[action]
+        assert (status, body.get("status")) == (200, "complete"), (action, body)
+    assert ops.answers["model_error"][1]["status"] == "error"
+
+
+def test_runs_count_by_agent_and_final_status(ops: Scenario) -> None:
+    before, after = ops.metrics["ok"]
+    assert increase(before, after, RUNS, agent="triage", status="complete") == 1
+    before, after = ops.metrics["model_error"]
+    assert increase(before, after, RUNS, agent="broken-model", status="error") == 1
+    assert increase(before, after, RUNS, agent="broken-model", status="complete") == 0
+    before, after = ops.metrics["resume"]
+    assert increase(before, after, RUNS, agent="triage", status="complete") == 1
+
+
+def test_run_duration_histogram_observes_each_run(ops: Scenario) -> None:
+    before, after = ops.metrics["ok"]
+    name = "agent_runner_run_duration_seconds"
+    assert increase(before, after, f"{name}_count", agent="triage") == 1
+    assert increase(before, after, f"{name}_sum", agent="triage") > 0
+    assert increase(before, after, f"{name}_bucket", agent="triage", le="+Inf") == 1
+
+
+def test_tool_calls_that_succeed_and_fail(ops: Scenario) -> None:
+    before, after = ops.metrics["ok"]
+    assert increase(before, after, TOOL_CALLS, tool="get_issue", outcome="ok") == 1
+    assert increase(before, after, TOOL_CALLS, tool="post_slack", outcome="ok") == 1
+    before, after = ops.metrics["tool_error"]
+    assert increase(before, after, TOOL_CALLS, tool="lookup_missing", outcome="error") == 1
+    assert increase(before, after, TOOL_CALLS, tool="lookup_missing", outcome="ok") == 0
+
+
+def test_tool_calls_repaired_on_resume(ops: Scenario) -> None:
+    before, after = ops.metrics["resume"]
+    assert increase(before, after, TOOL_CALLS, tool="get_issue", outcome="reinvoked") == 1
+    assert increase(before, after, TOOL_CALLS, tool="post_slack", outcome="durability_error") == 1
+    assert increase(before, after, TOOL_CALLS, tool="post_slack", outcome="ok") == 0
+
+
+def test_durable_write_latency_by_kind(ops: Scenario) -> None:
+    name = "agent_runner_durable_write_seconds_count"
+    before, after = ops.metrics["ok"]
+    for kind in ("write1", "write2", "final"):
+        assert increase(before, after, name, kind=kind) == 1, kind
+    assert increase(before, after, name, kind="repair") == 0
+    before, after = ops.metrics["resume"]
+    assert increase(before, after, name, kind="repair") == 1
+    assert increase(before, after, name, kind="final") == 1
+    assert increase(before, after, name, kind="write1") == 0
+
+
+def test_model_call_latency_and_tokens(ops: Scenario) -> None:
+    before, after = ops.metrics["ok"]
+    calls = "agent_runner_model_call_seconds"
+    assert increase(before, after, f"{calls}_count", model=TRIAGE_MODEL) == 2
+    assert increase(before, after, f"{calls}_sum", model=TRIAGE_MODEL) > 0
+    usage = ops.answers["ok"][1]["usage"]
+    tokens = "agent_runner_model_tokens_total"
+    got_in = increase(before, after, tokens, model=TRIAGE_MODEL, direction="input")
+    got_out = increase(before, after, tokens, model=TRIAGE_MODEL, direction="output")
+    assert (got_in, got_out) == (usage["input_tokens"], usage["output_tokens"])
+    assert got_in > 0 and got_out > 0
+
+
+def test_session_busy_rejections(ops: Scenario) -> None:
+    status, problem = ops.answers["busy"]
+    assert (status, problem["code"]) == (409, "session_busy")
+    before, after = ops.metrics["busy"]
+    assert increase(before, after, "agent_runner_session_busy_rejections_total") == 1
+    # The refused request is no run: only the first one is counted.
+    assert increase(before, after, RUNS, agent="echo", status="complete") == 1
+    assert value(after, "agent_runner_session_busy_rejections_total") == 1

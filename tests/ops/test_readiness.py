@@ -1,0 +1,119 @@
+"""Readiness on PostgreSQL: an outage answers 503 fast, and the server recovers by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.ops.helpers import timed
+from tests.ops.proxy import TcpProxy
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+FIRST_REVISION = "4e8a668623b5"
+PROBLEM_JSON = "application/problem+json"
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
+
+def _run(client: httpx.Client, session_id: str) -> httpx.Response:
+    return client.post(
+        "/v1/runs", json={"agent": "triage", "message": "issue 7", "session_id": session_id}
+    )
+
+
+def _problem_code(response: httpx.Response) -> str | None:
+    if response.headers.get("content-type", "").split(";")[0] != PROBLEM_JSON:
+        return None
+    code = response.json().get("code")
+    return str(code) if code is not None else None
+
+
+def _set_revision(database_url: str, revision: str) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(database_url.replace("postgresql://", "postgres://", 1))
+        try:
+            await conn.execute("UPDATE alembic_version SET version_num = $1", revision)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        server = ServerProcess(
+            database_url=via_proxy,
+            log_path=tmp_path / "server.log",
+            agents_file=write_agents_file(tmp_path, tool_server.url),
+            model_url=fake_model.url,
+        )
+        with server, server.client(timeout=30) as client:
+            assert client.get("/readyz").status_code == 200
+            first = _run(client, "before-outage")
+            assert first.status_code == 200 and first.json()["status"] == "complete"
+
+            proxy.cut()
+            deadline = time.monotonic() + 5
+            while True:
+                with timed(10, "GET /readyz during the outage"):
+                    ready = client.get("/readyz")
+                if ready.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert ready.status_code == 503, ready.text
+            assert _problem_code(ready) == "database_unavailable"
+
+            for session_id in ("during-outage-1", "during-outage-2"):
+                with timed(10, "POST /v1/runs during the outage"):
+                    refused = _run(client, session_id)
+                assert refused.status_code == 503, refused.text
+                assert _problem_code(refused) == "database_unavailable"
+            assert refused.headers.get("retry-after")
+
+            proxy.restore()
+            deadline = time.monotonic() + 15
+            while client.get("/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "/readyz did not recover within 15 s"
+                time.sleep(0.02)
+            # Ready means ready: the first durable run after /readyz turns 200 must complete.
+            first_after = _run(client, "after-outage")
+            deadline = time.monotonic() + 5
+            after = first_after
+            while after.status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                after = _run(client, "after-outage")
+            assert after.status_code == 200, (
+                f"no durable run completes after the outage: {after.text}"
+            )
+            assert after.json()["status"] == "complete"
+            assert tool_server.count("post_slack") == 2
+
+            # Behind the server's back, the schema falls behind the code: not ready.
+            _set_revision(database_url, FIRST_REVISION)
+            stale = client.get("/readyz")
+            assert stale.status_code == 503, stale.text
+            assert _problem_code(stale) == "schema_out_of_date"
+
+    assert first_after.status_code == 200, (
+        "/readyz answered 200 but the next durable run was refused: "
+        f"{first_after.status_code} {first_after.text}"
+    )

@@ -1,0 +1,150 @@
+"""SIGTERM: no new runs; runs in progress get SHUTDOWN_GRACE_S to finish; then the process exits.
+
+What the grace period cuts off is resumable exactly as after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.ops.helpers import model_saw, wait_for
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+SLOW_TURN = {"agent": "slow", "message": "post it slowly"}
+
+
+def _post(server: ServerProcess, body: dict[str, str], headers: dict[str, str]) -> httpx.Response:
+    with server.client(timeout=60) as client:
+        return client.post("/v1/runs", json=body, headers=headers)
+
+
+def _start_slow_run(
+    pool: ThreadPoolExecutor,
+    server: ServerProcess,
+    tool_server: ToolServer,
+    body: dict[str, str],
+    headers: dict[str, str] | None = None,
+) -> Future[httpx.Response]:
+    """POST a run of the `slow` agent and return once its slow_post handler is in flight."""
+    future = pool.submit(_post, server, body, headers or {})
+    wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+    return future
+
+
+def _sigterm(server: ServerProcess) -> float:
+    assert server.process is not None
+    server.process.send_signal(signal.SIGTERM)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    server = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": "10"},
+    ).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            in_flight = _start_slow_run(pool, server, tool_server, {**SLOW_TURN, "session_id": "s"})
+            _sigterm(server)
+            time.sleep(0.3)  # let the signal handler run
+
+            marker = "after-sigterm-7f3c"
+            try:
+                late = _post(server, {"agent": "echo", "message": marker, "session_id": "t"}, {})
+            except httpx.ConnectError:
+                pass  # not listening any more: refused, as it should be
+            else:
+                assert late.status_code == 503, late.text
+                assert late.headers["content-type"].startswith("application/problem+json")
+                assert late.json()["code"] == "shutting_down"
+            assert not model_saw(fake_model.requests, marker), "a run started after SIGTERM"
+
+            assert server.process is not None and server.process.poll() is None
+            tool_server.release()
+            answer = in_flight.result(timeout=20)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "complete"
+        assert tool_server.count("slow_post") == 1
+        assert server.process.wait(timeout=10) == 0, server.logs()
+    finally:
+        server.kill()
+
+
+def test_sigterm_cuts_off_a_run_after_the_grace_period_and_it_resumes_as_after_a_crash(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    agents = write_agents_file(tmp_path, tool_server.url)
+    turn = {**SLOW_TURN, "session_id": "cut-off"}
+    key = {"Idempotency-Key": "turn-1"}
+    first = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "first.log",
+        agents_file=agents,
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": "1"},
+    ).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            cut_off = _start_slow_run(pool, first, tool_server, turn, key)
+            sent = _sigterm(first)
+            assert first.process is not None
+            first.process.wait(timeout=10)
+            took = time.monotonic() - sent
+            assert took < 5, f"the process took {took:.1f}s to exit with SHUTDOWN_GRACE_S=1"
+            try:
+                answer = cut_off.result(timeout=10)
+            except httpx.HTTPError:
+                pass  # the connection closed without an answer
+            else:
+                assert answer.status_code != 200 or answer.json()["status"] != "complete"
+    finally:
+        first.kill()
+        tool_server.release()  # the held handler answers nobody now
+
+    with (
+        ServerProcess(
+            database_url=database_url,
+            log_path=tmp_path / "second.log",
+            agents_file=agents,
+            model_url=fake_model.url,
+        ) as second,
+        second.client() as client,
+    ):
+        session = client.get(f"/v1/sessions/{turn['session_id']}")
+        assert session.status_code == 200, session.text
+        assert session.json()["status"] == "needs_resume"
+
+        resumed = client.post("/v1/runs", json=turn, headers=key)
+        assert resumed.status_code == 200, resumed.text
+        assert resumed.json()["status"] == "complete", resumed.json()
+
+        messages = client.get(f"/v1/sessions/{turn['session_id']}/messages").json()["data"]
+    assert tool_server.count("slow_post") == 1
+    results = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+    assert len(results) == 1
+    assert json.loads(results[0]["content"])["kind"] == "tool-durability-error"
+    assert sum(1 for m in messages if m["role"] == "user") == 1

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import asyncpg
@@ -59,33 +60,49 @@ def _key_parts(key: int) -> tuple[int, int]:
     return unsigned >> 32, unsigned & 0xFFFFFFFF
 
 
+@dataclass
+class _Claim:
+    run_id: str | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class ActiveRuns:
     """The sessions this process is working on, and the run on each once it has started.
 
-    A claim is pending (no run id) until the session is really owned, so a 409 never names
-    a run that is only waiting for the database lock — or a deletion.
+    A claim is pending until the session is really owned (PostgreSQL: the lock is taken). A
+    second request waits briefly for a pending claim to settle, so its 409 names the run that
+    won — never a run that was only waiting for the lock, or a deletion.
     """
 
-    def __init__(self) -> None:
-        self._runs: dict[str, str | None] = {}
+    SETTLE_WAIT_S = 2.0
 
-    def claim(self, session_id: str) -> None:
+    def __init__(self) -> None:
+        self._claims: dict[str, _Claim] = {}
+
+    async def claim(self, session_id: str) -> None:
         """Take the session for this process, or raise SessionBusy."""
-        if session_id in self._runs:
-            raise SessionBusy(session_id, self._runs[session_id])
-        self._runs[session_id] = None
+        existing = self._claims.get(session_id)
+        if existing is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(existing.settled.wait(), self.SETTLE_WAIT_S)
+            raise SessionBusy(session_id, existing.run_id)
+        self._claims[session_id] = _Claim()
 
     def confirm(self, session_id: str, run_id: str | None) -> None:
         """The session is owned; `run_id` (if any) is what runs on it."""
-        self._runs[session_id] = run_id
+        claim = self._claims[session_id]
+        claim.run_id = run_id
+        claim.settled.set()
 
     def release(self, session_id: str) -> None:
         """Give the session back."""
-        self._runs.pop(session_id, None)
+        claim = self._claims.pop(session_id, None)
+        if claim is not None:
+            claim.settled.set()
 
     def holds(self, session_id: str) -> bool:
         """Whether this process is working on the session."""
-        return session_id in self._runs
+        return session_id in self._claims
 
 
 class Ownership(Protocol):
@@ -130,7 +147,7 @@ class LocalOwnership:
 
     @asynccontextmanager
     async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
-        self.active.claim(session_id)
+        await self.active.claim(session_id)
         self.active.confirm(session_id, run_id)
         try:
             yield
@@ -189,7 +206,7 @@ class PostgresOwnership:
 
     @asynccontextmanager
     async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
-        self.active.claim(session_id)
+        await self.active.claim(session_id)
         try:
             key = lock_key(session_id)
             if not await self._try_lock(key) and not await self._take_over(key):
@@ -254,6 +271,7 @@ class PostgresOwnership:
                     log.warning("ownership connection lost (%s)", type(exc).__name__)
                     self._conn.terminate()
                     self._conn = None
+                    self._held.clear()
 
     async def _connection(self) -> asyncpg.Connection:
         """The lock connection, re-opened on demand (call with `_io` held).
@@ -261,7 +279,10 @@ class PostgresOwnership:
         A new connection holds no lock, and fences name its pid: runs that held sessions on the
         old one keep failing their writes and checks.
         """
-        if self._conn is None or self._conn.is_closed():
+        if self._conn is not None and self._conn.is_closed():
+            log.warning("ownership connection lost; the sessions it held are gone")
+            self._conn = None
+        if self._conn is None:
             try:
                 await self._connect()
             except (OSError, asyncpg.PostgresError, TimeoutError) as exc:

@@ -113,6 +113,7 @@ def bench(
     as_json: bool,
 ) -> None:
     """Time the standard scenario (service layer and HTTP) and print the figures."""
+    # Imported here so that serve and migrate never load the bench.
     from app.bench.report import render
     from app.bench.scenario import BenchError, BenchOptions
     from app.bench.suite import run_bench

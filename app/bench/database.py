@@ -1,0 +1,145 @@
+"""What the bench asks of the database and what it leaves there: transactions, bytes, floor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, Table, Text, event, insert, text
+from sqlalchemy.engine import make_url
+
+from app.bench.report import Stats, Transactions
+from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions
+from app.db.session import Database
+
+FLOOR_TABLE = Table(
+    "bench_commit_floor",
+    MetaData(),
+    Column("id", Integer, primary_key=True),
+    Column("payload", Text, nullable=False),
+)
+WRITES = ("INSERT", "UPDATE", "DELETE")
+
+
+@dataclass
+class TransactionCounter:
+    """Counts COMMITs, writing transactions, statements and pool checkouts on an engine."""
+
+    db: Database
+    commits: int = 0
+    writing: int = 0
+    statements: int = 0
+    checkouts: int = 0
+    _dirty: set[int] = field(default_factory=set)
+
+    def _on_commit(self, conn: Any) -> None:
+        self.commits += 1
+        if id(conn) in self._dirty:
+            self.writing += 1
+            self._dirty.discard(id(conn))
+
+    def _on_rollback(self, conn: Any) -> None:
+        self._dirty.discard(id(conn))
+
+    def _on_execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        verb = statement.lstrip()[:6].upper()
+        if verb.startswith("BEGIN"):
+            return
+        self.statements += 1
+        if verb in WRITES:
+            self._dirty.add(id(conn))
+
+    def _on_checkout(self, *args: Any) -> None:
+        self.checkouts += 1
+
+    def _listeners(self) -> list[tuple[Any, str, Any]]:
+        engine = self.db.engine.sync_engine
+        return [
+            (engine, "commit", self._on_commit),
+            (engine, "rollback", self._on_rollback),
+            (engine, "before_cursor_execute", self._on_execute),
+            (engine.pool, "checkout", self._on_checkout),
+        ]
+
+    def __enter__(self) -> TransactionCounter:
+        for target, name, fn in self._listeners():
+            event.listen(target, name, fn)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for target, name, fn in self._listeners():
+            event.remove(target, name, fn)
+
+    def result(self) -> Transactions:
+        return Transactions(
+            self.commits, self.writing, self.commits - self.writing, self.statements, self.checkouts
+        )
+
+
+async def stored_bytes(db: Database, database_url: str) -> int:
+    """SQLite: the file's size after a WAL checkpoint; PostgreSQL: the scenario tables' size."""
+    if db.dialect == "sqlite":
+        path = make_url(database_url).database
+        assert path is not None
+        return await asyncio.to_thread(_checkpointed_size, path)
+    async with db.engine.connect() as conn:
+        size = await conn.scalar(
+            text(
+                "SELECT pg_total_relation_size('\"session\"') + pg_total_relation_size('run')"
+                " + pg_total_relation_size('message')"
+            )
+        )
+    return int(size or 0)
+
+
+def _checkpointed_size(path: str) -> int:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        for _ in range(50):
+            busy, _log, _done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if not busy:
+                break
+            time.sleep(0.01)
+        else:
+            raise BenchError("could not checkpoint the SQLite WAL to measure the file")
+    finally:
+        conn.close()
+    return os.path.getsize(path)
+
+
+async def commit_floor(db: Database, options: BenchOptions) -> Stats:
+    """2 x steps + 1 bare INSERT+COMMIT transactions through the same engine, in ms."""
+    engine = db.engine
+    async with engine.begin() as conn:
+        await conn.run_sync(FLOOR_TABLE.create, checkfirst=True)
+    times: list[float] = []
+    try:
+        for index in range(options.warmup + max(30, options.sessions)):
+            start = time.perf_counter()
+            for _ in range(2 * options.steps + 1):
+                async with engine.begin() as conn:
+                    await conn.execute(insert(FLOOR_TABLE).values(payload=USER_MESSAGE))
+            if index >= options.warmup:
+                times.append((time.perf_counter() - start) * 1000)
+    finally:
+        async with engine.begin() as conn:
+            await conn.run_sync(FLOOR_TABLE.drop, checkfirst=True)
+    return Stats.of(times)
+
+
+async def database_version(db: Database) -> str:
+    """The server's version (SQLite: the library's)."""
+    if db.dialect == "sqlite":
+        return sqlite3.sqlite_version
+    async with db.engine.connect() as conn:
+        return str(await conn.scalar(text("SELECT current_setting('server_version')")))

@@ -1,0 +1,124 @@
+"""`agent-runner bench` on a 2-step scenario, so the bench never rots (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.bench.scenario import (
+    FINAL_TEXT,
+    ISSUE_BYTES,
+    USER_MESSAGE,
+    BenchModel,
+    api_reply,
+    issue_json,
+    messages_per_session,
+    step_text,
+)
+from app.domain import Message, Role, ToolCall, ToolResult
+from app.llm.base import ModelRequest
+from tests.support.server import AGENT_RUNNER
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+# The journal's writes: the turn's start, write #1 and write #2 of each step, the final write.
+WRITING_TRANSACTIONS = 1 + 2 * STEPS + 1
+
+
+def test_the_scenario_is_the_standard_one() -> None:
+    assert len(issue_json()) == ISSUE_BYTES == 196
+    assert len(USER_MESSAGE) == len(FINAL_TEXT) == len(step_text(1)) == len(step_text(10)) == 200
+    assert messages_per_session(10) == 32
+
+
+def test_the_scripted_model_counts_assistant_messages() -> None:
+    model = BenchModel(steps=2)
+    history = [Message.user(USER_MESSAGE)]
+    answers = []
+    for _ in range(3):
+        response = model(ModelRequest("scripted:bench", None, history, [], 1024))
+        answers.append(response)
+        history.append(Message.assistant(response.text, response.tool_calls))
+        history.extend(Message.tool(ToolResult.ok(c, {})) for c in response.tool_calls)
+    first, second, last = answers
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [
+        ("get_issue", {"issue_id": "ISSUE-1"}),
+        ("post_slack", {"channel": "#triage", "text": "ISSUE-1 triaged (step 1)."}),
+    ]
+    assert second.tool_calls[0].arguments == {"issue_id": "ISSUE-2"}
+    assert last.text == FINAL_TEXT and not last.tool_calls
+    assert sum(1 for m in history if m.role is Role.ASSISTANT) == 3
+
+
+def test_the_fake_messages_api_answers_the_same_scenario() -> None:
+    call = ToolCall("toolu_x", "get_issue", {"issue_id": "ISSUE-1"})
+    body: dict[str, Any] = {
+        "model": "bench-model",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": USER_MESSAGE}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": call.id}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id}]},
+        ],
+    }
+    reply = api_reply(body, steps=2)
+    assert reply["stop_reason"] == "tool_use"
+    assert [b["type"] for b in reply["content"]] == ["text", "tool_use", "tool_use"]
+    assert reply["content"][1]["input"] == {"issue_id": "ISSUE-2"}
+    body["messages"] += [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    assert api_reply(body, steps=2)["content"] == [{"type": "text", "text": FINAL_TEXT}]
+
+
+def _bench(*args: str) -> dict[str, Any]:
+    # This checkout's code, whatever the installed package points at.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    small = ["--steps", str(STEPS), "--sessions", "3", "--warmup", "1", "--long-steps", "4"]
+    result = subprocess.run(
+        [AGENT_RUNNER, "bench", *small, "--concurrency", "2", "--json", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureRequest) -> None:
+    # SQLite: the default, a fresh file in a temp folder; PostgreSQL: the test database.
+    args = (
+        [] if backend == "sqlite" else ["--database-url", request.getfixturevalue("database_url")]
+    )
+    report = _bench(*args)
+
+    assert report["machine"]["database"] == ("sqlite" if backend == "sqlite" else "postgresql")
+    assert report["scenario"]["steps"] == STEPS
+    assert report["scenario"]["messages_per_session"] == messages_per_session(STEPS)
+    side_effects = report["side_effects"]
+    assert side_effects["exactly_once"] is True
+    assert side_effects["counted"] == side_effects["expected"] > 0
+
+    service = report["service"]
+    for figures in (service["sessions"], report["http"]["sessions"]):
+        assert figures["stateless_ms"]["n"] == figures["durable_ms"]["n"] == 3
+        assert isinstance(figures["overhead_ms_per_step"], float)
+    transactions = service["transactions"]
+    assert transactions["writing"] == WRITING_TRANSACTIONS
+    assert transactions["total"] == transactions["writing"] + transactions["read_only"]
+    assert service["throughput"]["sessions"] == 2
+    long = service["long_session"]
+    assert long["steps"] == 4 and long["messages"] == messages_per_session(4)
+    assert long["bytes_stored"] >= 0  # page-granular: a small session may fit in free space
+    assert service["commit_floor"]["transactions"] == 2 * STEPS + 1
+    assert report["peak_rss_mb"] > 0
+    names = {t["name"] for t in report["targets"]}
+    assert "every side effect ran exactly once" in names
+    assert {t["met"] for t in report["targets"]} <= {True, False, None}

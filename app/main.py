@@ -62,9 +62,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         ownership = build_ownership(db, settings)
         await ownership.start()
         runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
-        runs_service = RunService(
-            db.sessions, db.durable, registry, runner, failpoints, ownership, metrics
-        )
+        runs_service = RunService(db, registry, runner, failpoints, ownership, metrics)
         app.state.services = Services(
             db=db,
             registry=registry,

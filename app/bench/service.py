@@ -84,9 +84,7 @@ class Rig:
         ownership = build_ownership(db, settings)
         await ownership.start()
         runner = AgentRunner(llm=llm, registry=registry, metrics=metrics)
-        service = RunService(
-            db.sessions, db.durable, registry, runner, Failpoints.parse(None), ownership, metrics
-        )
+        service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
         return cls(db, service, ownership, registry, long_model)
 
     async def close(self) -> None:

@@ -1,7 +1,8 @@
 """Repositories: add, flush and select inside the caller's transaction; they never commit.
 
-The hot path (the runner's per-step writes) uses Core statements rather than the ORM unit of
-work: a step is two short INSERT/UPDATE round trips, whatever the length of the history.
+The hot path (the runner's per-step writes) is JournalWriter: Core statements built once,
+rather than the ORM unit of work, so a step is a few short round trips whatever the length
+of the history.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, delete, func, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import ColumnElement, Select, bindparam, delete, func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from app.db import models
 from app.domain import Message, Role, RunStatus, ToolCall
@@ -58,50 +59,6 @@ class SessionRepository:
         """The session row, or None."""
         return await self._s.get(models.Session, session_id)
 
-    async def insert(
-        self,
-        session_id: str,
-        *,
-        agent: str,
-        tenant_id: str | None,
-        user_id: str | None,
-        metadata: dict[str, Any],
-        message_count: int,
-        now: datetime,
-    ) -> None:
-        """Create a session; a concurrent creator makes this raise IntegrityError."""
-        await self._s.execute(
-            insert(models.Session).values(
-                id=session_id,
-                agent=agent,
-                tenant_id=tenant_id,
-                user_id=user_id,
-                metadata=metadata,
-                message_count=message_count,
-                created_at=now,
-                updated_at=now,
-            )
-        )
-
-    async def advance(
-        self,
-        session_id: str,
-        *,
-        expected: int,
-        new: int,
-        now: datetime,
-        fence: ColumnElement[bool],
-    ) -> bool:
-        """Compare-and-set `message_count` while `fence` holds; False if someone else wrote."""
-        result = await self._s.execute(
-            update(models.Session)
-            .where(models.Session.id == session_id, models.Session.message_count == expected, fence)
-            .values(message_count=new, updated_at=now)
-            .execution_options(synchronize_session=False)
-        )
-        # An UPDATE's result is a CursorResult, whose rowcount the generic Result type hides.
-        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
-
     def list_query(
         self,
         *,
@@ -145,16 +102,6 @@ class SessionRepository:
 class MessageRepository:
     def __init__(self, session: AsyncSession) -> None:
         self._s = session
-
-    async def add_many(
-        self, session_id: str, messages: Sequence[Message], *, now: datetime
-    ) -> None:
-        """Insert messages whose `seq` is already assigned, in one round trip."""
-        for message in messages:
-            message.created_at = now
-        if messages:
-            rows = [message_to_row(m, session_id=session_id, now=now) for m in messages]
-            await self._s.execute(insert(models.Message), rows)
 
     async def history(self, session_id: str) -> list[Message]:
         """The whole history in `seq` order."""
@@ -211,19 +158,6 @@ class RunRepository:
         """The run row, or None."""
         return await self._s.get(models.Run, run_id)
 
-    async def insert(self, values: dict[str, Any]) -> None:
-        """Insert a run from column values."""
-        await self._s.execute(insert(models.Run).values(**values))
-
-    async def update(self, run_id: str, values: dict[str, Any]) -> None:
-        """Update a run's columns."""
-        await self._s.execute(
-            update(models.Run)
-            .where(models.Run.id == run_id)
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
-
     async def by_idempotency_key(self, session_id: str, key: str) -> models.Run | None:
         """The session's run started under `key`, if any."""
         return await self._s.scalar(
@@ -276,3 +210,104 @@ class RunRepository:
             )
         query = query.order_by(models.Run.created_at.desc(), models.Run.id.desc()).limit(limit)
         return (await self._s.scalars(query)).all()
+
+
+class JournalWriter:
+    """The runner's per-step writes: Core statements built once, run on a connection.
+
+    `fence` is the ownership condition (services/ownership.py) with bind parameters; each
+    call passes its values. Building statements once and skipping the ORM keeps a step's
+    durable writes to a few round trips of fixed size, whatever the length of the history.
+    """
+
+    def __init__(self, fence: ColumnElement[bool]) -> None:
+        session, run = models.Session, models.Run
+        claim = update(session).where(
+            session.id == bindparam("b_session_id"),
+            session.message_count == bindparam("b_expected"),
+            fence,
+        )
+        self._fence = select(fence)
+        self._advance = claim.values(message_count=bindparam("b_new"))
+        # updated_at moves at the start and the end of a turn only: it is indexed, and an
+        # indexed column written every step would make every session update a full one.
+        self._advance_touch = claim.values(
+            message_count=bindparam("b_new"), updated_at=bindparam("b_now")
+        )
+        self._insert_session = insert(session)
+        self._insert_messages = insert(models.Message)
+        self._insert_run = insert(run)
+        self._progress = (
+            update(run)
+            .where(run.id == bindparam("b_run_id"))
+            .values(
+                iterations=bindparam("b_iterations"),
+                input_tokens=bindparam("b_input_tokens"),
+                output_tokens=bindparam("b_output_tokens"),
+            )
+        )
+        self._run = run
+
+    async def owned(self, conn: AsyncConnection, fence: dict[str, Any]) -> bool:
+        """Whether the fence holds now."""
+        return bool(await conn.scalar(self._fence, fence))
+
+    async def create_session(self, conn: AsyncConnection, values: dict[str, Any]) -> None:
+        """Insert a session row; a concurrent creator makes this raise IntegrityError."""
+        await conn.execute(self._insert_session, values)
+
+    async def advance(
+        self,
+        conn: AsyncConnection,
+        session_id: str,
+        *,
+        expected: int,
+        new: int,
+        touch: datetime | None,
+        fence: dict[str, Any],
+    ) -> bool:
+        """Compare-and-set `message_count` under the fence; False if someone else wrote."""
+        params = {"b_session_id": session_id, "b_expected": expected, "b_new": new, **fence}
+        if touch is None:
+            result = await conn.execute(self._advance, params)
+        else:
+            result = await conn.execute(self._advance_touch, {**params, "b_now": touch})
+        return result.rowcount == 1
+
+    async def add_messages(
+        self, conn: AsyncConnection, session_id: str, messages: Sequence[Message], now: datetime
+    ) -> None:
+        """Insert messages whose `seq` is already assigned, in one round trip."""
+        for message in messages:
+            message.created_at = now
+        if messages:
+            rows = [message_to_row(m, session_id=session_id, now=now) for m in messages]
+            await conn.execute(self._insert_messages, rows)
+
+    async def insert_run(self, conn: AsyncConnection, values: dict[str, Any]) -> None:
+        """Insert a run row."""
+        await conn.execute(self._insert_run, values)
+
+    async def update_run(self, conn: AsyncConnection, run_id: str, values: dict[str, Any]) -> None:
+        """Set some columns of a run (start and end of a turn)."""
+        await conn.execute(update(self._run).where(self._run.id == run_id).values(**values))
+
+    async def progress(
+        self,
+        conn: AsyncConnection,
+        run_id: str,
+        *,
+        iterations: int,
+        input_tokens: int,
+        output_tokens: int,
+    ) -> None:
+        """Record a run's iterations and usage so far."""
+        await conn.execute(
+            self._progress,
+            {
+                "b_run_id": run_id,
+                "b_iterations": iterations,
+                "b_input_tokens": input_tokens,
+                "b_output_tokens": output_tokens,
+            },
+        )

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.base import utcnow
-from app.db.repositories import MessageRepository, RunRepository, SessionRepository
+from app.db.repositories import JournalWriter
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
@@ -51,6 +50,11 @@ class Turn:
     iterations: int = 0
     usage: Usage = field(default_factory=Usage)
     messages: list[Message] = field(default_factory=list)
+    stored_progress: tuple[int, int, int] | None = None
+
+    def progress(self) -> tuple[int, int, int]:
+        """Iterations, input and output tokens so far."""
+        return self.iterations, self.usage.input_tokens, self.usage.output_tokens
 
     def run_values(self) -> dict[str, Any]:
         """Columns of the run row that change as it goes."""
@@ -96,12 +100,14 @@ class DurableJournal(Journal):
 
     def __init__(
         self,
-        sessions: async_sessionmaker[AsyncSession],
+        engine: AsyncEngine,
+        writer: JournalWriter,
         failpoints: Failpoints,
         ownership: Ownership,
         metrics: Metrics,
     ) -> None:
-        self._sessions = sessions
+        self._engine = engine
+        self._writer = writer
         self._failpoints = failpoints
         self._ownership = ownership
         self._metrics = metrics
@@ -120,22 +126,21 @@ class DurableJournal(Journal):
         self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
     ) -> None:
         assert turn.session_id is not None
-        async with self._begin(turn) as session:
+        fence = self._ownership.fence_params(turn.session_id)
+        async with self._begin(turn) as conn:
             now = utcnow()
-            if not await session.scalar(select(self._ownership.fence(turn.session_id))):
+            if not await self._writer.owned(conn, fence):
                 raise SessionConflict(turn.session_id)
-            await self._advance(session, turn, repairs, now=now)
-            runs = RunRepository(session)
+            await self._advance(conn, turn, repairs, now=now, touch=True)
             for run_id in interrupted:
-                await runs.update(
-                    run_id, {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
-                )
+                values = {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
+                await self._writer.update_run(conn, run_id, values)
             if turn.run_stored:  # a continued turn runs again
-                await runs.update(
-                    turn.run_id, {"status": RunStatus.RUNNING.value, "finished_at": None}
-                )
+                values = {"status": RunStatus.RUNNING.value, "finished_at": None}
+                await self._writer.update_run(conn, turn.run_id, values)
             else:
-                await runs.insert(self._new_run(turn))
+                await self._writer.insert_run(conn, self._new_run(turn))
+        turn.stored_progress = turn.progress()
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         assistant.run_id = turn.run_id
@@ -158,6 +163,7 @@ class DurableJournal(Journal):
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         values = {
+            **turn.run_values(),
             "status": end.status.value,
             "response": end.response,
             "error_type": end.error_type,
@@ -181,49 +187,71 @@ class DurableJournal(Journal):
         run_values: dict[str, Any] | None = None,
         failpoint: str | None = None,
     ) -> None:
-        """Append messages (after the user message, if due) and update the run."""
+        """Append messages (after the user message, if due) and bring the run up to date."""
+        assert turn.session_id is not None
         batch = list(messages)
         with_user = store_user and not turn.user_stored
         if with_user:
             turn.user_message.run_id = turn.run_id
             batch.insert(0, turn.user_message)
-        async with self._begin(turn) as session:
-            await self._advance(session, turn, batch, now=utcnow())
-            await RunRepository(session).update(turn.run_id, turn.run_values() | (run_values or {}))
-            if failpoint is not None:
-                await session.flush()
-                self._failpoints.reach(failpoint)
+        progress = turn.progress()
+        async with self._begin(turn) as conn:
+            await self._advance(conn, turn, batch, now=utcnow(), touch=run_values is not None)
+            if run_values is not None:
+                await self._writer.update_run(conn, turn.run_id, run_values)
+            elif progress != turn.stored_progress:  # write #2 usually has nothing new
+                iterations, input_tokens, output_tokens = progress
+                await self._writer.progress(
+                    conn,
+                    turn.run_id,
+                    iterations=iterations,
+                    input_tokens=input_tokens,
+                    output_tokens=output_tokens,
+                )
+            if failpoint is not None and self._failpoints.armed:
+                self._failpoints.reach(failpoint)  # the rows are sent, the commit is not
         self._appended(turn, batch)
+        turn.stored_progress = progress
         turn.user_stored = turn.user_stored or with_user
 
     async def _advance(
-        self, session: AsyncSession, turn: Turn, batch: Sequence[Message], *, now: datetime
+        self,
+        conn: AsyncConnection,
+        turn: Turn,
+        batch: Sequence[Message],
+        *,
+        now: datetime,
+        touch: bool,
     ) -> None:
         """Number the batch after the stored history, claim those seqs, insert the rows."""
         assert turn.session_id is not None
         for offset, message in enumerate(batch, start=1):
             message.seq = turn.stored_count + offset
         new_count = turn.stored_count + len(batch)
-        sessions = SessionRepository(session)
         if not turn.session_exists:
-            await sessions.insert(
-                turn.session_id,
-                agent=turn.agent,
-                tenant_id=turn.tenant_id,
-                user_id=turn.user_id,
-                metadata=turn.session_metadata,
-                message_count=new_count,
-                now=now,
+            await self._writer.create_session(
+                conn,
+                {
+                    "id": turn.session_id,
+                    "agent": turn.agent,
+                    "tenant_id": turn.tenant_id,
+                    "user_id": turn.user_id,
+                    "metadata": turn.session_metadata,
+                    "message_count": new_count,
+                    "created_at": now,
+                    "updated_at": now,
+                },
             )
-        elif not await sessions.advance(
+        elif not await self._writer.advance(
+            conn,
             turn.session_id,
             expected=turn.stored_count,
             new=new_count,
-            now=now,
-            fence=self._ownership.fence(turn.session_id),
+            touch=now if touch else None,
+            fence=self._ownership.fence_params(turn.session_id),
         ):
             raise SessionConflict(turn.session_id)
-        await MessageRepository(session).add_many(turn.session_id, batch, now=now)
+        await self._writer.add_messages(conn, turn.session_id, batch, now)
 
     @staticmethod
     def _appended(turn: Turn, batch: Sequence[Message]) -> None:
@@ -246,10 +274,10 @@ class DurableJournal(Journal):
         }
 
     @asynccontextmanager
-    async def _begin(self, turn: Turn) -> AsyncIterator[AsyncSession]:
+    async def _begin(self, turn: Turn) -> AsyncIterator[AsyncConnection]:
         """One transaction; losing a race for the session's next seq is a SessionConflict."""
         try:
-            async with self._sessions.begin() as session:
-                yield session
+            async with self._engine.begin() as conn:
+                yield conn
         except IntegrityError as exc:
             raise SessionConflict(turn.session_id or "") from exc

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import asyncpg
-from sqlalchemy import ColumnElement, and_, column, exists, literal, select, table, true
+from sqlalchemy import ColumnElement, and_, bindparam, column, exists, literal, select, table, true
 
 from app.errors import SessionBusy, SessionConflict
 
@@ -69,9 +69,9 @@ class _Claim:
 class ActiveRuns:
     """The sessions this process is working on, and the run on each once it has started.
 
-    A claim is pending until the session is really owned (PostgreSQL: the lock is taken). A
-    second request waits briefly for a pending claim to settle, so its 409 names the run that
-    won — never a run that was only waiting for the lock, or a deletion.
+    A claim is pending until its run is stored (`confirm`). A second request waits briefly for
+    a pending claim to settle, so its 409 names the run that won — never a run that was only
+    waiting for the lock and lost, nor one that does not exist yet.
     """
 
     SETTLE_WAIT_S = 2.0
@@ -88,8 +88,8 @@ class ActiveRuns:
             raise SessionBusy(session_id, existing.run_id)
         self._claims[session_id] = _Claim()
 
-    def confirm(self, session_id: str, run_id: str | None) -> None:
-        """The session is owned; `run_id` (if any) is what runs on it."""
+    def confirm(self, session_id: str, run_id: str) -> None:
+        """The session is owned and `run_id`, now stored, runs on it."""
         claim = self._claims[session_id]
         claim.run_id = run_id
         claim.settled.set()
@@ -108,14 +108,19 @@ class ActiveRuns:
 class Ownership(Protocol):
     active: ActiveRuns
 
-    def hold(
-        self, session_id: str, run_id: str | None
-    ) -> contextlib.AbstractAsyncContextManager[None]:
-        """Own the session for the block, or raise SessionBusy (active_run_id may be None)."""
+    def hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Own the session for the block, or raise SessionBusy (active_run_id may be None).
+
+        The owner names its run with `active.confirm` once the run is stored."""
         ...
 
-    def fence(self, session_id: str) -> ColumnElement[bool]:
-        """A SQL condition, true while this process still owns the session."""
+    def fence(self) -> ColumnElement[bool]:
+        """A SQL condition, true while this process still owns the session named by the
+        bind parameters `fence_params` gives (built once, so statements can be reused)."""
+        ...
+
+    def fence_params(self, session_id: str) -> dict[str, Any]:
+        """The bind parameters of `fence` for a session."""
         ...
 
     def check(self, session_id: str) -> None:
@@ -146,16 +151,18 @@ class LocalOwnership:
         self.active = ActiveRuns()
 
     @asynccontextmanager
-    async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
         await self.active.claim(session_id)
-        self.active.confirm(session_id, run_id)
         try:
             yield
         finally:
             self.active.release(session_id)
 
-    def fence(self, session_id: str) -> ColumnElement[bool]:
+    def fence(self) -> ColumnElement[bool]:
         return true()
+
+    def fence_params(self, session_id: str) -> dict[str, Any]:
+        return {}
 
     def check(self, session_id: str) -> None:
         return None
@@ -205,14 +212,13 @@ class PostgresOwnership:
                 await self._conn.close()
 
     @asynccontextmanager
-    async def hold(self, session_id: str, run_id: str | None) -> AsyncIterator[None]:
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
         await self.active.claim(session_id)
         try:
             key = lock_key(session_id)
             if not await self._try_lock(key) and not await self._take_over(key):
                 raise SessionBusy(session_id, None)
             self._held.add(session_id)
-            self.active.confirm(session_id, run_id)
             try:
                 yield
             finally:
@@ -221,8 +227,7 @@ class PostgresOwnership:
         finally:
             self.active.release(session_id)
 
-    def fence(self, session_id: str) -> ColumnElement[bool]:
-        hi, lo = _key_parts(lock_key(session_id))
+    def fence(self) -> ColumnElement[bool]:
         return exists(
             select(literal(1))
             .select_from(_pg_locks)
@@ -230,13 +235,17 @@ class PostgresOwnership:
                 and_(
                     _pg_locks.c.locktype == "advisory",
                     _pg_locks.c.granted.is_(True),
-                    _pg_locks.c.pid == self._pid,
-                    _pg_locks.c.classid == hi,
-                    _pg_locks.c.objid == lo,
+                    _pg_locks.c.pid == bindparam("fence_pid"),
+                    _pg_locks.c.classid == bindparam("fence_hi"),
+                    _pg_locks.c.objid == bindparam("fence_lo"),
                     _pg_locks.c.objsubid == 1,
                 )
             )
         )
+
+    def fence_params(self, session_id: str) -> dict[str, Any]:
+        hi, lo = _key_parts(lock_key(session_id))
+        return {"fence_pid": self._pid, "fence_hi": hi, "fence_lo": lo}
 
     def check(self, session_id: str) -> None:
         stale = time.monotonic() - self._last_beat > self._takeover_after_s / 2

@@ -7,15 +7,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
-
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import logs
 from app.db import models
-from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
+from app.db.repositories import (
+    JournalWriter,
+    MessageRepository,
+    RunRepository,
+    SessionRepository,
+    row_to_message,
+)
+from app.db.session import Database
 from app.domain import Message, RunStatus, Usage
 from app.errors import (
     IdempotencyKeyReused,
@@ -69,13 +73,16 @@ class RunResult:
 class RunService:
     """The unit of work behind POST /v1/runs and GET /v1/runs/{id}."""
 
-    sessions: async_sessionmaker[AsyncSession]
-    durable: bool
+    db: Database
     registry: ToolRegistry
     runner: AgentRunner
     failpoints: Failpoints
     ownership: Ownership
     metrics: Metrics
+
+    def __post_init__(self) -> None:
+        self.sessions = self.db.sessions
+        self._writer = JournalWriter(self.ownership.fence())
 
     async def create(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None
@@ -106,29 +113,26 @@ class RunService:
             turn = self._turn(body, tenant_id=tenant_id, key=None)
             logs.bind(run_id=turn.run_id)
             return RunResult(self._outcome_read(await self.runner.run(turn, Journal(), [], agent)))
-        if not self.durable:
+        if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
-        # Access is checked before the session is claimed, so a busy session is not revealed
-        # to another tenant or user (and checked again once it is owned).
-        earlier = await self._precheck(turn, body)
-        if earlier is not None and earlier.status not in UNFINISHED:
-            replay = await self.get(earlier.id, tenant_id=tenant_id, user_id=body.user_id)
-            return RunResult(replay, replayed=True)
-        if earlier is not None:
-            turn.run_id = earlier.id
-        async with self._owned(body.session_id, turn.run_id):
-            return await self._run_owned(turn, body)
-
-    @asynccontextmanager
-    async def _owned(self, session_id: str, run_id: str) -> AsyncIterator[None]:
-        """Own the session for the block; a 409 names the run that holds it."""
         async with AsyncExitStack() as stack:
             try:
-                await stack.enter_async_context(self.ownership.hold(session_id, run_id))
+                await stack.enter_async_context(self.ownership.hold(body.session_id))
             except SessionBusy as busy:
-                raise await self._busy(busy, session_id) from None
-            yield
+                return await self._refuse(busy, turn, body)
+            return await self._run_owned(turn, body)
+
+    async def _refuse(self, busy: SessionBusy, turn: Turn, body: RunCreate) -> RunResult:
+        """The session is busy: answer as if it were not for what does not depend on that
+        (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
+        a finished keyed turn); otherwise 409 naming the run that holds it."""
+        assert body.session_id is not None
+        earlier = await self._precheck(turn, body)
+        if earlier is not None and earlier.status not in UNFINISHED:
+            replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
+            return RunResult(replay, replayed=True)
+        raise await self._busy(busy, body.session_id)
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
@@ -141,9 +145,14 @@ class RunService:
                 replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)
-        journal = DurableJournal(self.sessions, self.failpoints, self.ownership, self.metrics)
+            logs.bind(run_id=turn.run_id)
+        journal = DurableJournal(
+            self.db.engine, self._writer, self.failpoints, self.ownership, self.metrics
+        )
         repairs = await self.runner.repairs(turn, history, agent)
         await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])
+        assert turn.session_id is not None
+        self.ownership.active.confirm(turn.session_id, turn.run_id)
         history.extend(repairs)
         if earlier is not None:
             turn.messages = [m for m in history if m.run_id == turn.run_id]
@@ -173,9 +182,14 @@ class RunService:
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
             if row.agent != body.agent:
                 raise SessionAgentMismatch(row.id, row.agent, body.agent)
-            if turn.idempotency_key is None:
-                return None
-            run = await RunRepository(session).by_idempotency_key(row.id, turn.idempotency_key)
+            return await self._keyed(RunRepository(session), row.id, turn)
+
+    @staticmethod
+    async def _keyed(runs: RunRepository, session_id: str, turn: Turn) -> models.Run | None:
+        """The run an earlier request with this turn's key started; another body is refused."""
+        if turn.idempotency_key is None:
+            return None
+        run = await runs.by_idempotency_key(session_id, turn.idempotency_key)
         if run is not None and run.request_fingerprint != turn.fingerprint:
             raise IdempotencyKeyReused(turn.idempotency_key)
         return run
@@ -198,10 +212,8 @@ class RunService:
             runs = RunRepository(session)
             history = await MessageRepository(session).history(row.id)
             unfinished = await runs.unfinished(row.id)
-            earlier, overtaken = None, False
-            if turn.idempotency_key is not None:
-                earlier = await runs.by_idempotency_key(row.id, turn.idempotency_key)
-                overtaken = earlier is not None and await runs.started_after(earlier)
+            earlier = await self._keyed(runs, row.id, turn)
+            overtaken = earlier is not None and await runs.started_after(earlier)
         return history, unfinished, earlier, overtaken
 
     @staticmethod

@@ -95,7 +95,7 @@ class SessionService:
         """Delete the session, its runs and messages; not while a run is in progress."""
         async with self.sessions.begin() as session:  # not revealed by a 409 to others
             await self._visible(session, session_id, tenant_id, user_id)
-        async with self.ownership.hold(session_id, None), self.sessions.begin() as session:
+        async with self.ownership.hold(session_id), self.sessions.begin() as session:
             await self._visible(session, session_id, tenant_id, user_id)
             await SessionRepository(session).delete(session_id)
 

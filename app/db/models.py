@@ -83,7 +83,7 @@ class Message(Base):
     tool_call_id: Mapped[str | None] = mapped_column(String(128))
     tool_name: Mapped[str | None] = mapped_column(String(64))
     is_error: Mapped[bool] = mapped_column(Boolean, default=False)
-    run_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    run_id: Mapped[str | None] = mapped_column(String(36))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (UniqueConstraint("session_id", "seq"),)

@@ -139,12 +139,13 @@ class MessageRepository:
             query = query.where(models.Message.seq > after_seq)
         return (await self._s.scalars(query.order_by(models.Message.seq).limit(limit))).all()
 
-    async def for_run(self, run_id: str) -> Sequence[models.Message]:
-        """The messages a run stored, in order."""
+    async def for_run(self, session_id: str, run_id: str) -> Sequence[models.Message]:
+        """The messages a run stored, in order (a scan of its session's history: run_id has no
+        index of its own, which would cost every message row more than this read saves)."""
         return (
             await self._s.scalars(
                 select(models.Message)
-                .where(models.Message.run_id == run_id)
+                .where(models.Message.session_id == session_id, models.Message.run_id == run_id)
                 .order_by(models.Message.seq)
             )
         ).all()

@@ -105,7 +105,9 @@ class Database:
             kwargs = {
                 "pool_size": pool_size,
                 "max_overflow": pool_size,
-                "pool_pre_ping": True,
+                # No pre-ping: it costs a round trip per transaction, i.e. per durable write.
+                # After an outage the first use of a dead connection fails (503) and makes
+                # the pool replace every connection older than that failure.
                 # Fail fast, never hang, when the database is gone: the API answers 503.
                 "pool_timeout": 10,
                 "connect_args": {

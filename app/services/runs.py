@@ -244,7 +244,7 @@ class RunService:
             if run is None or owner is None or owner.tenant_id != tenant_id:
                 raise RunNotFound(run_id)
             check_session_access(owner, tenant_id=tenant_id, user_id=user_id)
-            rows = await MessageRepository(session).for_run(run_id)
+            rows = await MessageRepository(session).for_run(run.session_id, run_id)
         held = await self.ownership.is_held(run.session_id)
         summary = run_summary(run, held=held)
         return RunRead(

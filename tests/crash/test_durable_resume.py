@@ -1,0 +1,206 @@
+"""Durable resume through the front door: a real `agent-runner serve`, HTTP only, both stores."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.crash.test_crash_matrix import (
+    ISSUE,
+    MESSAGE,
+    SESSION,
+    Json,
+    assert_durability_error,
+    assert_history_consistent,
+    assert_idempotency_keys,
+    assert_real_issue,
+    crash_run,
+    final_text,
+    list_messages,
+    post_run,
+    result_of,
+    run_body,
+    server_process,
+    session_status,
+)
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A triage turn that crashed, and its resubmission."""
+
+    before: list[Json]  # the history read after the restart, before resubmitting
+    status_before: str | None
+    run: Json
+    history: list[Json]
+    status_after: str | None
+
+    def call(self, name: str) -> Json:
+        """The crashed step's call of tool `name`."""
+        calls: list[Json] = self.before[-1]["tool_calls"]
+        (found,) = [c for c in calls if c["name"] == name]
+        return found
+
+
+def crash_and_resume(
+    failpoint: str,
+    *,
+    tmp_path: Path,
+    database_url: str,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> Resumed:
+    """Crash a `triage` turn at `failpoint`, restart without failpoints, resubmit it."""
+
+    def server(label: str, failpoints: str | None = None) -> ServerProcess:
+        return server_process(
+            tmp_path,
+            database_url=database_url,
+            fake_model=fake_model,
+            tool_server=tool_server,
+            label=label,
+            failpoints=failpoints,
+        )
+
+    crashing = server("crashed", failpoint)
+    with crashing:
+        crash_run(crashing, run_body("triage"))
+    with server("resumed") as resumed, resumed.client() as client:
+        before = list_messages(client)
+        status_before = session_status(client)
+        run = post_run(client, run_body("triage"))
+        return Resumed(before, status_before, run, list_messages(client), session_status(client))
+
+
+@pytest.mark.crash
+def test_side_effect_not_reinvoked_after_crash(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """post_slack ran, the runner died before write #2: no second post, the durability error."""
+    resumed = crash_and_resume(
+        "after-handlers",
+        tmp_path=tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    call = resumed.call("post_slack")
+    assert tool_server.per_call("post_slack")[call["id"]] == 1
+    assert set(tool_server.per_call("post_slack").values()) == {1}
+    assert_durability_error(result_of(resumed.history, call["id"]), call)
+    assert resumed.run["status"] == "complete"
+    assert resumed.run["response"] == final_text(1, [call])
+    assert_history_consistent(resumed.history)
+
+
+@pytest.mark.crash
+def test_safe_to_retry_tool_reinvoked_after_crash(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """get_issue ran, the runner died before write #2: it runs again and its result is kept."""
+    resumed = crash_and_resume(
+        "after-handlers",
+        tmp_path=tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    call = resumed.call("get_issue")
+    again = [i for i in tool_server.invocations if i.tool_call_id == call["id"]]
+    assert [(i.tool, i.body) for i in again] == [("get_issue", call["arguments"])] * 2
+    assert_idempotency_keys(tool_server)  # the re-run carries the same key as the first run
+    assert_real_issue(result_of(resumed.history, call["id"]), call)
+    assert resumed.run["status"] == "complete"
+    assert_history_consistent(resumed.history)
+
+
+@pytest.mark.crash
+def test_session_needs_resume_until_resubmitted(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """After a crash between write #1 and write #2 the session says so until it is resumed."""
+    resumed = crash_and_resume(
+        "after-write-1",
+        tmp_path=tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    assert [m["role"] for m in resumed.before] == ["user", "assistant"]
+    assert resumed.status_before == "needs_resume"
+    assert resumed.run["status"] == "complete"
+    assert resumed.status_after == "idle"
+
+
+def test_memory_store_refuses_session_before_any_work(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """memory:// with a session_id is 409 at entry; without one the run works, stateless."""
+    memory = server_process(
+        tmp_path,
+        database_url="memory://",
+        fake_model=fake_model,
+        tool_server=tool_server,
+        label="memory",
+    )
+    with memory, memory.client() as client:
+        refused = client.post("/v1/runs", json=run_body("triage"))
+        assert refused.status_code == 409, refused.text
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        problem = refused.json()
+        assert problem["code"] == "memory_store_not_durable"
+        assert problem["status"] == 409
+        assert {"type", "title", "detail"} <= set(problem)
+        assert fake_model.requests == []
+        assert tool_server.invocations == []
+
+        run = post_run(client, run_body("triage", session_id=None))
+        # Stateless: nothing at all is written, not even the run.
+        stored = client.get(f"/v1/runs/{run['run_id']}")
+        assert stored.status_code == 404, stored.text
+        assert stored.json()["code"] == "run_not_found"
+    assert run["session_id"] is None
+    assert run["status"] == "complete"
+    assert run["response"] == final_text(1, [])
+    assert [i.tool for i in tool_server.invocations] == ["get_issue", "post_slack"]
+    assert len(fake_model.requests) == 2
+
+
+def test_ten_step_durable_run(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """Ten tool steps on a session: every step stored, every tool_use answered once."""
+    server = server_process(
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+        label="ten",
+    )
+    with server, server.client() as client:
+        run = post_run(client, run_body("ten-steps"))
+        history = list_messages(client)
+    assert run["status"] == "complete", run
+    assert run["iterations"] == 11
+    assert run["session_id"] == SESSION
+    assert len(history) == 1 + 10 * (1 + 1) + 1
+    assert_history_consistent(history)
+    roles = ["user", *["assistant", "tool"] * 10, "assistant"]
+    assert [m["role"] for m in history] == roles
+    assert history[0]["content"] == MESSAGE
+    assert [m["seq"] for m in run["messages"]] == list(range(1, 23))
+    assert {m["run_id"] for m in history} == {run["run_id"]}
+    assert history[-1]["content"] == run["response"] == final_text(10, [])
+    results = [m for m in history if m["role"] == "tool"]
+    for step, message in enumerate(results, start=1):
+        assert message["is_error"] is False
+        assert json.loads(message["content"]) == {**ISSUE, "id": f"id-{step}"}
+    per_call = tool_server.per_call("get_issue")
+    assert len(per_call) == 10
+    assert set(per_call.values()) == {1}

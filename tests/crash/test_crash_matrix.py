@@ -337,7 +337,9 @@ def check_snapshot(case: Case, crashed: Crashed, tool_server: ToolServer) -> lis
     if orphans:
         assert orphans == snapshot[-1]["tool_calls"]
     if not snapshot:
-        assert crashed.status is None, "a turn that wrote nothing created the session"
+        # The turn was recorded at its start (session and a running run) but stored no
+        # message: the history is as before the turn.
+        assert crashed.status == "idle", "a turn that stored no message leaves nothing to repair"
         return orphans
     assert len({m["run_id"] for m in snapshot}) == 1, "one run wrote the crashed turn"
     assert snapshot[0]["content"] == MESSAGE
@@ -419,12 +421,21 @@ def check_runs(client: httpx.Client, crashed: Crashed, run: Json, history: list[
     """The crashed run is `interrupted`, the new one `complete`, the session idle again."""
     runs = get_json(client, f"/v1/sessions/{SESSION}/runs")["data"]
     statuses = [(r["run_id"], r["status"]) for r in runs]
-    expected = [(run["run_id"], "complete")]
+    # Every turn is recorded at its start, so the crashed one is listed even when it stored
+    # no message (before-write-1): it shows `interrupted`, newest first after the new one.
+    assert statuses[0] == (run["run_id"], "complete")
+    assert [status for _, status in statuses[1:]] == ["interrupted"]
+    interrupted = statuses[1][0]
     if crashed.snapshot:
-        interrupted = crashed.snapshot[0]["run_id"]
-        assert get_json(client, f"/v1/runs/{interrupted}")["status"] == "interrupted"
-        expected.append((interrupted, "interrupted"))
-    assert statuses == expected
+        assert crashed.snapshot[0]["run_id"] == interrupted
+    crashed_run = get_json(client, f"/v1/runs/{interrupted}")
+    assert crashed_run["status"] == "interrupted"
+    # Its messages: what it stored before the crash, then the repairs made under its id.
+    stored = crashed_run["messages"]
+    assert [m["seq"] for m in stored[: len(crashed.snapshot)]] == [
+        m["seq"] for m in crashed.snapshot
+    ]
+    assert {m["role"] for m in stored[len(crashed.snapshot) :]} <= {"tool"}
     assert get_json(client, f"/v1/runs/{run['run_id']}")["status"] == "complete"
     session = get_json(client, f"/v1/sessions/{SESSION}")
     assert (session["status"], session["message_count"]) == ("idle", len(history))

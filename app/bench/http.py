@@ -8,26 +8,15 @@ same database, pointed at both with ANTHROPIC_BASE_URL and an agents file of HTT
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp
 
 from app.bench.report import HttpFigures
 from app.bench.scenario import (
@@ -43,56 +32,9 @@ from app.bench.scenario import (
 )
 from app.bench.service import check_run, check_side_effects, sessions_of
 from app.schemas.runs import RunRead
+from app.serving import ServeProcess, ThreadedServer
 
 START_TIMEOUT_S = 30
-
-
-class ThreadedApp:
-    """An ASGI app served on 127.0.0.1 from a daemon thread of this process."""
-
-    def __init__(self, app: ASGIApp, *, name: str) -> None:
-        self._app = app
-        self._name = name
-        self._sock: socket.socket | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self.url = ""
-
-    def __enter__(self) -> Self:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)  # listening before uvicorn starts: early clients queue, not fail
-        self._sock = sock
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(
-            self._app, log_config=None, log_level="warning", access_log=False, lifespan="off"
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name=self._name, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise BenchError(f"{self._name} did not start")
-            time.sleep(0.005)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        if self._sock is not None:
-            self._sock.close()
 
 
 def scenario_app(steps: int) -> Starlette:
@@ -117,87 +59,6 @@ def scenario_app(steps: int) -> Starlette:
             Route("/tools/post_slack", post_slack, methods=["POST"]),
         ]
     )
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("agent-runner")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("agent-runner")
-    return [found] if found else [sys.executable, "-c", "from app.cli import main; main()"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class ServeProcess:
-    """`agent-runner serve` as a subprocess; its output goes to `log_path`."""
-
-    def __init__(self, *, env: dict[str, str], log_path: Path) -> None:
-        self.url = ""
-        self._env = env
-        self._log_path = log_path
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Self:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        with self._log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [*_command(), "serve", "--host", "127.0.0.1", "--port", str(port)],
-                env=self._env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise BenchError(f"agent-runner serve exited:\n{self.logs()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            time.sleep(0.05)
-        self.__exit__(None, None, None)
-        raise BenchError(f"agent-runner serve did not become healthy:\n{self.logs()}")
-
-    def peak_rss_mb(self) -> float | None:
-        """The server's peak resident set size (Linux /proc), or None."""
-        if self._process is None:
-            return None
-        try:
-            status = Path(f"/proc/{self._process.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return None
-
-    def logs(self) -> str:
-        """The last lines the server printed."""
-        text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""
-        return "\n".join(text.splitlines()[-40:])
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        process = self._process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def server_env(database_url: str, agents_file: Path, model_url: str) -> dict[str, str]:
@@ -232,22 +93,27 @@ def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> Htt
     SLACK.reset()
     stateless: list[float] = []
     durable: list[float] = []
-    with ThreadedApp(scenario_app(options.steps), name="bench-fake-model") as fake:
+    with ThreadedServer(scenario_app(options.steps), name="bench-fake-model") as fake:
         agents_file = workdir / "bench-agents.yaml"
         tools = agents_yaml({AGENT: (HTTP_MODEL, options.steps)}, tools_url=f"{fake.url}/tools")
         agents_file.write_text(tools)
         env = server_env(database_url, agents_file, fake.url)
-        with (
-            ServeProcess(env=env, log_path=workdir / "server.log") as server,
-            httpx.Client(base_url=server.url, timeout=120) as client,
-        ):
-            for index in range(options.warmup + options.sessions):
-                a = _session(client, durable=False, steps=options.steps)
-                b = _session(client, durable=True, steps=options.steps)
-                if index >= options.warmup:
-                    stateless.append(a)
-                    durable.append(b)
+        server = ServeProcess(env=env, log_path=workdir / "server.log")
+        try:
+            server.start()
+        except RuntimeError as exc:
+            raise BenchError(f"agent-runner serve did not start: {exc}") from exc
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                for index in range(options.warmup + options.sessions):
+                    a = _session(client, durable=False, steps=options.steps)
+                    b = _session(client, durable=True, steps=options.steps)
+                    if index >= options.warmup:
+                        stateless.append(a)
+                        durable.append(b)
             rss = server.peak_rss_mb()
+        finally:
+            server.stop()
     expected = 2 * (options.warmup + options.sessions) * options.steps
     check_side_effects(expected)
     return HttpFigures(sessions_of(stateless, durable, options.steps), rss, expected)

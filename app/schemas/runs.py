@@ -88,27 +88,17 @@ class RunErrorRead(BaseModel):
     type: str
     message: str
 
-
-class RunRead(BaseModel):
-    run_id: str
-    session_id: str | None
-    agent: str
-    status: RunStatus
-    response: str | None
-    iterations: int
-    messages: list[MessageRead]
-    usage: UsageRead
-    error: RunErrorRead | None
-    metadata: dict[str, Any]
-    created_at: datetime
-    finished_at: datetime | None
+    @classmethod
+    def of(cls, type: str | None, message: str | None) -> RunErrorRead | None:
+        """The `error` field: null unless the run ended with an error type."""
+        return None if type is None else cls(type=type, message=message or "")
 
 
 class RunSummary(BaseModel):
     """A run in a list: the record without its messages."""
 
     run_id: str
-    session_id: str
+    session_id: str | None
     agent: str
     status: RunStatus
     response: str | None
@@ -118,6 +108,12 @@ class RunSummary(BaseModel):
     metadata: dict[str, Any]
     created_at: datetime
     finished_at: datetime | None
+
+
+class RunRead(RunSummary):
+    """A run with the messages of its turn (`session_id` is null for a stateless run)."""
+
+    messages: list[MessageRead]
 
 
 class SessionRead(BaseModel):

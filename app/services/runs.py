@@ -247,18 +247,12 @@ class RunService:
             rows = await MessageRepository(session).for_run(run.session_id, run_id)
         held = await self.ownership.is_held(run.session_id)
         summary = run_summary(run, held=held)
-        return RunRead(
-            **summary.model_dump(exclude={"session_id"}),
-            session_id=summary.session_id,
-            messages=[MessageRead.of(row_to_message(r)) for r in rows],
-        )
+        messages = [MessageRead.of(row_to_message(r)) for r in rows]
+        return RunRead(**dict(summary), messages=messages)
 
     @staticmethod
     def _outcome_read(outcome: RunOutcome) -> RunRead:
         turn, end = outcome.turn, outcome.end
-        error = None
-        if end.error_type is not None:
-            error = RunErrorRead(type=end.error_type, message=end.error_message or "")
         return RunRead(
             run_id=turn.run_id,
             session_id=turn.session_id,
@@ -270,7 +264,7 @@ class RunService:
             usage=UsageRead(
                 input_tokens=turn.usage.input_tokens, output_tokens=turn.usage.output_tokens
             ),
-            error=error,
+            error=RunErrorRead.of(end.error_type, end.error_message),
             metadata=turn.run_metadata,
             created_at=turn.created_at,
             finished_at=turn.finished_at,
@@ -282,9 +276,6 @@ def run_summary(run: models.Run, *, held: bool) -> RunSummary:
     status = RunStatus(run.status)
     if status is RunStatus.RUNNING and not held:
         status = RunStatus.INTERRUPTED
-    error = None
-    if run.error_type is not None:
-        error = RunErrorRead(type=run.error_type, message=run.error_message or "")
     return RunSummary(
         run_id=run.id,
         session_id=run.session_id,
@@ -293,7 +284,7 @@ def run_summary(run: models.Run, *, held: bool) -> RunSummary:
         response=run.response,
         iterations=run.iterations,
         usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
-        error=error,
+        error=RunErrorRead.of(run.error_type, run.error_message),
         metadata=run.metadata_ or {},
         created_at=run.created_at,
         finished_at=run.finished_at,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +14,8 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.serving import ServeProcess
 from tests.support.agents import write_agents_file
-from tests.support.server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,40 +131,12 @@ def timed(limit: float, what: str) -> Iterator[None]:
     assert took < limit, f"{what} took {took:.1f}s (limit {limit}s)"
 
 
-class CommandServer(ServerProcess):
-    """A ServerProcess that runs `argv(port)` with exactly `env` (plus its DATABASE_URL)."""
-
-    def __init__(
-        self,
-        *,
-        argv: Callable[[int], list[str]],
-        env: dict[str, str],
-        database_url: str,
-        log_path: Path,
-    ) -> None:
-        super().__init__(database_url=database_url, log_path=log_path, env=env)
-        self._env = {**env, "DATABASE_URL": database_url}
-        self.argv = argv(self.port)
-
-    def start(self, *, timeout: float = 30) -> CommandServer:
-        """Spawn `argv` and wait until /healthz answers."""
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                env=self._env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
+def command_server(
+    *,
+    argv: Callable[[int], list[str]],
+    env: dict[str, str],
+    database_url: str,
+    log_path: Path,
+) -> ServeProcess:
+    """A server that runs `argv(port)` with exactly `env` (plus its DATABASE_URL)."""
+    return ServeProcess(env={**env, "DATABASE_URL": database_url}, log_path=log_path, argv=argv)

@@ -37,7 +37,7 @@ from tests.ops.deployfiles import (
     stages,
     with_port,
 )
-from tests.ops.helpers import CommandServer
+from tests.ops.helpers import command_server
 
 SERVE_COMMAND = ["agent-runner", "serve", "--host", "0.0.0.0", "--port", "8000"]
 
@@ -202,7 +202,7 @@ def test_the_app_serves_with_exactly_the_environment_compose_gives_it(
         "DEMO_OUTBOX": str(tmp_path / "outbox.jsonl"),
     }
     command = image_command(stage)
-    server = CommandServer(
+    server = command_server(
         argv=lambda port: with_port(command, port),
         env=env,
         database_url=database_url,

@@ -27,8 +27,6 @@ import json
 import secrets
 import socket
 import threading
-import time
-from types import TracebackType
 from typing import Any
 
 import uvicorn
@@ -36,6 +34,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from app.serving import ThreadedServer
 
 ERROR_TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -461,43 +461,12 @@ async def _wait(state: FakeState) -> None:
         await asyncio.to_thread(state.closing.wait, state.delay)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    # Listening before uvicorn starts: a client that read the URL early queues, not fails.
-    sock.listen(128)
-    return sock
-
-
-def _server(state: FakeState) -> uvicorn.Server:
-    config = uvicorn.Config(
-        build_app(state),
-        log_config=None,  # leave the host process's logging alone
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        ws="none",
-        http="h11",
-        loop="asyncio",
-        timeout_graceful_shutdown=2,
-    )
-    return uvicorn.Server(config)
-
-
-class FakeAnthropic:
+class FakeAnthropic(ThreadedServer):
     """The fake served from a background thread; `with FakeAnthropic() as fake: ... fake.url`."""
 
-    def __init__(
-        self, *, host: str = "127.0.0.1", port: int = 0, retry_after_ms: int | None = 10
-    ) -> None:
-        self._host = host
-        self._port = port
+    def __init__(self, *, port: int = 0, retry_after_ms: int | None = 10) -> None:
         self._state = FakeState(retry_after_ms=retry_after_ms)
-        self._sock: socket.socket | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self.url = ""
+        super().__init__(build_app(self._state), name="fake-anthropic", port=port)
 
     @property
     def requests(self) -> list[Any]:
@@ -516,49 +485,10 @@ class FakeAnthropic:
         """Sleep this long before answering each request."""
         self._state.set_delay(seconds)
 
-    def start(self) -> FakeAnthropic:
-        """Bind a port and serve until `stop()`; returns self once accepting connections."""
-        self._sock = _bind(self._host, self._port)
-        port = self._sock.getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
-        self._server = _server(self._state)
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._sock]},
-            name="fake-anthropic",
-            daemon=True,  # a fake someone forgot to stop must not hang the test run
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("fake Anthropic server did not start")
-            time.sleep(0.005)
-        return self
-
     def stop(self) -> None:
-        """Stop serving and release the port; safe to call twice."""
+        """Stop serving (a request waiting out a delay answers at once); safe to call twice."""
         self._state.closing.set()
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def __enter__(self) -> FakeAnthropic:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        super().stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -568,10 +498,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--retry-after-ms", type=int, default=10)
     args = parser.parse_args(argv)
-    sock = _bind(args.host, args.port)
+    sock = socket.socket()
+    sock.bind((args.host, args.port))  # --port 0: the kernel picks; the first line tells
     print(f"fake anthropic on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+    config = uvicorn.Config(
+        build_app(FakeState(retry_after_ms=args.retry_after_ms)),
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
     try:
-        _server(FakeState(retry_after_ms=args.retry_after_ms)).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
 

@@ -153,6 +153,9 @@ class ThreadedServer:
         """Bind, serve, and return once accepting connections."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted sockets inherit it: without, asyncio's loop answers each small request
+        # ~40 ms late (Nagle's algorithm meeting the client's delayed ACK).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(("127.0.0.1", self._port))
         sock.listen(128)  # listening before uvicorn starts: early clients queue, not fail
         self._sock = sock

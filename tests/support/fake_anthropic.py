@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retry-after-ms", type=int, default=10)
     args = parser.parse_args(argv)
     sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see app/serving.py
     sock.bind((args.host, args.port))  # --port 0: the kernel picks; the first line tells
     print(f"fake anthropic on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(

@@ -46,11 +46,17 @@ UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
 def check_session_access(
-    row: models.Session, *, tenant_id: str | None, user_id: str | None
+    row: models.Session, *, tenant_id: str | None, user_id: str | None, reading: bool = False
 ) -> None:
-    """Another tenant's session does not exist for the caller; another user's is forbidden."""
+    """Another tenant's session does not exist for the caller; another user's is forbidden.
+
+    A session created with a user_id runs turns only for that user_id; reads (GET, DELETE)
+    that name no user_id act for the tenant, and those that name another are refused.
+    """
     if row.tenant_id != tenant_id:
         raise SessionNotFound(row.id)
+    if reading and user_id is None:
+        return
     if row.user_id is not None and row.user_id != user_id:
         raise SessionAccessDenied(row.id)
 
@@ -243,7 +249,7 @@ class RunService:
             owner = await SessionRepository(session).get(run.session_id) if run else None
             if run is None or owner is None or owner.tenant_id != tenant_id:
                 raise RunNotFound(run_id)
-            check_session_access(owner, tenant_id=tenant_id, user_id=user_id)
+            check_session_access(owner, tenant_id=tenant_id, user_id=user_id, reading=True)
             rows = await MessageRepository(session).for_run(run.session_id, run_id)
         held = await self.ownership.is_held(run.session_id)
         summary = run_summary(run, held=held)

@@ -112,7 +112,7 @@ class SessionService:
         row = await SessionRepository(session).get(session_id)
         if row is None:
             raise SessionNotFound(session_id)
-        check_session_access(row, tenant_id=tenant_id, user_id=user_id)
+        check_session_access(row, tenant_id=tenant_id, user_id=user_id, reading=True)
         return row
 
 

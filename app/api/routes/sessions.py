@@ -21,7 +21,7 @@ UserId = Annotated[
     Query(
         min_length=1,
         max_length=128,
-        description="Required for a session created with a user_id: the same user_id.",
+        description="Act as this user: a session created with another user_id answers 403.",
     ),
 ]
 

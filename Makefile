@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(BIN)/agent-runner serve
+	LOG_FORMAT=$${LOG_FORMAT:-text} $(BIN)/agent-runner serve
 
 test: install
 	$(BIN)/pytest

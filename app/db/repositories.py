@@ -12,7 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, bindparam, delete, func, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
 from app.domain import Message, Role, RunStatus, ToolCall
@@ -214,7 +215,8 @@ class RunRepository:
 
 
 class JournalWriter:
-    """The runner's per-step writes: Core statements built once, run on a connection.
+    """The runner's per-step writes: Core statements built once, run on a connection inside a
+    transaction body (app/db/session.py, Transactor).
 
     `fence` is the ownership condition (services/ownership.py) with bind parameters; each
     call passes its values. Building statements once and skipping the ORM keeps a step's
@@ -249,17 +251,17 @@ class JournalWriter:
         )
         self._run = run
 
-    async def owned(self, conn: AsyncConnection, fence: dict[str, Any]) -> bool:
+    def owned(self, conn: Connection, fence: dict[str, Any]) -> bool:
         """Whether the fence holds now."""
-        return bool(await conn.scalar(self._fence, fence))
+        return bool(conn.scalar(self._fence, fence))
 
-    async def create_session(self, conn: AsyncConnection, values: dict[str, Any]) -> None:
+    def create_session(self, conn: Connection, values: dict[str, Any]) -> None:
         """Insert a session row; a concurrent creator makes this raise IntegrityError."""
-        await conn.execute(self._insert_session, values)
+        conn.execute(self._insert_session, values)
 
-    async def advance(
+    def advance(
         self,
-        conn: AsyncConnection,
+        conn: Connection,
         session_id: str,
         *,
         expected: int,
@@ -270,32 +272,32 @@ class JournalWriter:
         """Compare-and-set `message_count` under the fence; False if someone else wrote."""
         params = {"b_session_id": session_id, "b_expected": expected, "b_new": new, **fence}
         if touch is None:
-            result = await conn.execute(self._advance, params)
+            result = conn.execute(self._advance, params)
         else:
-            result = await conn.execute(self._advance_touch, {**params, "b_now": touch})
+            result = conn.execute(self._advance_touch, {**params, "b_now": touch})
         return result.rowcount == 1
 
-    async def add_messages(
-        self, conn: AsyncConnection, session_id: str, messages: Sequence[Message], now: datetime
+    def add_messages(
+        self, conn: Connection, session_id: str, messages: Sequence[Message], now: datetime
     ) -> None:
         """Insert messages whose `seq` is already assigned, in one round trip."""
         for message in messages:
             message.created_at = now
         if messages:
             rows = [message_to_row(m, session_id=session_id, now=now) for m in messages]
-            await conn.execute(self._insert_messages, rows)
+            conn.execute(self._insert_messages, rows)
 
-    async def insert_run(self, conn: AsyncConnection, values: dict[str, Any]) -> None:
+    def insert_run(self, conn: Connection, values: dict[str, Any]) -> None:
         """Insert a run row."""
-        await conn.execute(self._insert_run, values)
+        conn.execute(self._insert_run, values)
 
-    async def update_run(self, conn: AsyncConnection, run_id: str, values: dict[str, Any]) -> None:
+    def update_run(self, conn: Connection, run_id: str, values: dict[str, Any]) -> None:
         """Set some columns of a run (start and end of a turn)."""
-        await conn.execute(update(self._run).where(self._run.id == run_id).values(**values))
+        conn.execute(update(self._run).where(self._run.id == run_id).values(**values))
 
-    async def progress(
+    def progress(
         self,
-        conn: AsyncConnection,
+        conn: Connection,
         run_id: str,
         *,
         iterations: int,
@@ -303,7 +305,7 @@ class JournalWriter:
         output_tokens: int,
     ) -> None:
         """Record a run's iterations and usage so far."""
-        await conn.execute(
+        conn.execute(
             self._progress,
             {
                 "b_run_id": run_id,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -57,8 +59,8 @@ def asyncpg_dsn(database_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def _configure_sqlite(engine: AsyncEngine) -> None:
-    @event.listens_for(engine.sync_engine, "connect")
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take over transaction control from the driver so BEGIN IMMEDIATE below is ours.
         dbapi_connection.isolation_level = None
@@ -71,11 +73,79 @@ def _configure_sqlite(engine: AsyncEngine) -> None:
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         # IMMEDIATE takes the write lock up front: a read-then-write transaction can then never
         # fail half-way with SQLITE_BUSY, it waits for busy_timeout instead.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+T = TypeVar("T")
+
+
+class Transactor(Protocol):
+    """Runs a synchronous transaction body — the durable writes' fixed statements — as one
+    unit: `body` gets a Connection inside BEGIN … COMMIT (rolled back if it raises)."""
+
+    @property
+    def engine(self) -> Engine:
+        """The (sync) engine whose connections run the bodies."""
+        ...
+
+    async def transact(self, body: Callable[[Connection], T]) -> T:
+        """Run `body` in one transaction and return what it returns."""
+        ...
+
+    async def dispose(self) -> None:
+        """Close every connection."""
+        ...
+
+
+class AsyncTransactor:
+    """PostgreSQL: the body runs on the async engine's connection (asyncpg, no thread)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine.sync_engine
+
+    async def transact(self, body: Callable[[Connection], T]) -> T:
+        async with self._engine.begin() as conn:
+            return await conn.run_sync(body)
+
+    async def dispose(self) -> None:
+        return None
+
+
+class ThreadTransactor:
+    """SQLite: the whole body runs in a worker thread on the stdlib driver — one hand-off to a
+    thread per transaction instead of several per statement (the async driver's way)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def _run(self, body: Callable[[Connection], T]) -> T:
+        with self._engine.begin() as conn:
+            return body(conn)
+
+    async def transact(self, body: Callable[[Connection], T]) -> T:
+        return await asyncio.to_thread(self._run, body)
+
+    async def dispose(self) -> None:
+        await asyncio.to_thread(self._engine.dispose)
+
+
+def _sync_sqlite_engine(database_url: str) -> Engine:
+    # The pool hands connections to whichever worker thread runs the next transaction.
+    engine = create_engine(database_url, connect_args={"check_same_thread": False})
+    _configure_sqlite(engine)
+    return engine
 
 
 @dataclass
@@ -85,6 +155,7 @@ class Database:
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     durable: bool
+    writes: Transactor
     _scratch: Path | None = None
 
     @property
@@ -118,9 +189,16 @@ class Database:
                 },
             }
         engine = create_async_engine(url, **kwargs)
+        writer: Transactor = AsyncTransactor(engine)
         if engine.dialect.name == "sqlite":
-            _configure_sqlite(engine)
-        db = cls(engine, async_sessionmaker(engine, expire_on_commit=False), durable=not memory)
+            _configure_sqlite(engine.sync_engine)
+            writer = ThreadTransactor(_sync_sqlite_engine(database_url))
+        db = cls(
+            engine,
+            async_sessionmaker(engine, expire_on_commit=False),
+            durable=not memory,
+            writes=writer,
+        )
         db._scratch = scratch
         if memory:
             async with engine.begin() as conn:
@@ -129,6 +207,7 @@ class Database:
 
     async def dispose(self) -> None:
         """Close every connection."""
+        await self.writes.dispose()
         await self.engine.dispose()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)

@@ -9,17 +9,17 @@ instead of interleaving (SessionConflict), and a repeated write conflicts on
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.base import utcnow
 from app.db.repositories import JournalWriter
+from app.db.session import Transactor
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
@@ -100,13 +100,13 @@ class DurableJournal(Journal):
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        writes: Transactor,
         writer: JournalWriter,
         failpoints: Failpoints,
         ownership: Ownership,
         metrics: Metrics,
     ) -> None:
-        self._engine = engine
+        self._writes = writes
         self._writer = writer
         self._failpoints = failpoints
         self._ownership = ownership
@@ -126,20 +126,25 @@ class DurableJournal(Journal):
         self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
     ) -> None:
         assert turn.session_id is not None
-        fence = self._ownership.fence_params(turn.session_id)
-        async with self._begin(turn) as conn:
+        session_id = turn.session_id
+        fence = self._ownership.fence_params(session_id)
+        writer = self._writer
+
+        def body(conn: Connection) -> None:
             now = utcnow()
-            if not await self._writer.owned(conn, fence):
-                raise SessionConflict(turn.session_id)
-            await self._advance(conn, turn, repairs, now=now, touch=True)
+            if not writer.owned(conn, fence):
+                raise SessionConflict(session_id)
+            self._advance(conn, turn, repairs, now=now, touch=True)
             for run_id in interrupted:
                 values = {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
-                await self._writer.update_run(conn, run_id, values)
+                writer.update_run(conn, run_id, values)
             if turn.run_stored:  # a continued turn runs again
                 values = {"status": RunStatus.RUNNING.value, "finished_at": None}
-                await self._writer.update_run(conn, turn.run_id, values)
+                writer.update_run(conn, turn.run_id, values)
             else:
-                await self._writer.insert_run(conn, self._new_run(turn))
+                writer.insert_run(conn, self._new_run(turn))
+
+        await self._transact(turn, body)
         turn.stored_progress = turn.progress()
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
@@ -195,13 +200,15 @@ class DurableJournal(Journal):
             turn.user_message.run_id = turn.run_id
             batch.insert(0, turn.user_message)
         progress = turn.progress()
-        async with self._begin(turn) as conn:
-            await self._advance(conn, turn, batch, now=utcnow(), touch=run_values is not None)
+        writer = self._writer
+
+        def body(conn: Connection) -> None:
+            self._advance(conn, turn, batch, now=utcnow(), touch=run_values is not None)
             if run_values is not None:
-                await self._writer.update_run(conn, turn.run_id, run_values)
+                writer.update_run(conn, turn.run_id, run_values)
             elif progress != turn.stored_progress:  # write #2 usually has nothing new
                 iterations, input_tokens, output_tokens = progress
-                await self._writer.progress(
+                writer.progress(
                     conn,
                     turn.run_id,
                     iterations=iterations,
@@ -210,13 +217,15 @@ class DurableJournal(Journal):
                 )
             if failpoint is not None and self._failpoints.armed:
                 self._failpoints.reach(failpoint)  # the rows are sent, the commit is not
+
+        await self._transact(turn, body)
         self._appended(turn, batch)
         turn.stored_progress = progress
         turn.user_stored = turn.user_stored or with_user
 
-    async def _advance(
+    def _advance(
         self,
-        conn: AsyncConnection,
+        conn: Connection,
         turn: Turn,
         batch: Sequence[Message],
         *,
@@ -229,7 +238,7 @@ class DurableJournal(Journal):
             message.seq = turn.stored_count + offset
         new_count = turn.stored_count + len(batch)
         if not turn.session_exists:
-            await self._writer.create_session(
+            self._writer.create_session(
                 conn,
                 {
                     "id": turn.session_id,
@@ -242,7 +251,7 @@ class DurableJournal(Journal):
                     "updated_at": now,
                 },
             )
-        elif not await self._writer.advance(
+        elif not self._writer.advance(
             conn,
             turn.session_id,
             expected=turn.stored_count,
@@ -251,7 +260,7 @@ class DurableJournal(Journal):
             fence=self._ownership.fence_params(turn.session_id),
         ):
             raise SessionConflict(turn.session_id)
-        await self._writer.add_messages(conn, turn.session_id, batch, now)
+        self._writer.add_messages(conn, turn.session_id, batch, now)
 
     @staticmethod
     def _appended(turn: Turn, batch: Sequence[Message]) -> None:
@@ -273,11 +282,9 @@ class DurableJournal(Journal):
             **turn.run_values(),
         }
 
-    @asynccontextmanager
-    async def _begin(self, turn: Turn) -> AsyncIterator[AsyncConnection]:
+    async def _transact(self, turn: Turn, body: Callable[[Connection], None]) -> None:
         """One transaction; losing a race for the session's next seq is a SessionConflict."""
         try:
-            async with self._engine.begin() as conn:
-                yield conn
+            await self._writes.transact(body)
         except IntegrityError as exc:
             raise SessionConflict(turn.session_id or "") from exc

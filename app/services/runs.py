@@ -153,7 +153,7 @@ class RunService:
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
         journal = DurableJournal(
-            self.db.engine, self._writer, self.failpoints, self.ownership, self.metrics
+            self.db.writes, self._writer, self.failpoints, self.ownership, self.metrics
         )
         repairs = await self.runner.repairs(turn, history, agent)
         await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])

@@ -47,7 +47,7 @@ def metrics() -> Metrics:
 def journal(db: Database, metrics: Metrics) -> DurableJournal:
     ownership = LocalOwnership()
     writer = JournalWriter(ownership.fence())
-    return DurableJournal(db.engine, writer, Failpoints.parse(None), ownership, metrics)
+    return DurableJournal(db.writes, writer, Failpoints.parse(None), ownership, metrics)
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:

@@ -59,13 +59,18 @@ async def _app_error(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = [
         {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type"))}
         for e in exc.errors()
     ]
     detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and "json" not in content_type.lower():
+        # A body is read as JSON only when it says so (FastAPI's guard against cross-site
+        # form posts); tell the client why its object was not seen.
+        detail = f"Send the body as JSON with Content-Type: application/json. {detail}"
     return problem_response(
         status=422, code="validation_error", title="Validation error", detail=detail, errors=errors
     )

@@ -268,3 +268,13 @@ async def test_hostile_values_never_answer_5xx(client: httpx.AsyncClient) -> Non
     outcomes["GET /v1/sessions"] = outcome(await client.get("/v1/sessions"))
 
     assert_no_server_errors(outcomes)
+
+
+async def test_a_body_without_a_json_content_type_says_so(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/runs",
+        content=b'{"agent": "echo", "message": "hi"}',
+        headers={"content-type": "text/plain"},
+    )
+    body = assert_problem(response, 422, "validation_error")
+    assert "Content-Type: application/json" in body["detail"]

@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see app/serving.py
     sock.bind((args.host, args.port))  # --port 0: the kernel picks; the first line tells
+    sock.listen(128)  # listening before the URL is printed: an early client queues, not fails
     print(f"fake anthropic on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(
         build_app(FakeState(retry_after_ms=args.retry_after_ms)),

@@ -27,10 +27,9 @@ class ApiKeys:
             raise ConfigError("API_KEYS is set but names no key")
         return cls(keys)
 
-    def tenant(self, authorization: str | None) -> str:
-        """The tenant of `Authorization: Bearer <key>`, or Unauthorized."""
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+    def tenant(self, token: str | None) -> str:
+        """The tenant of the bearer token (`Authorization: Bearer <key>`), or Unauthorized."""
+        if token is None or not token.strip():
             raise Unauthorized("Send Authorization: Bearer <API key>.")
         given = _digest(token.strip())
         found: str | None = None

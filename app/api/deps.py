@@ -72,8 +72,8 @@ def get_tenant(
     """The caller's tenant; None while API_KEYS is unset (a single-tenant service)."""
     if services.api_keys is None:
         return None
-    token = credentials.credentials if credentials is not None else None
-    return services.api_keys.tenant(f"Bearer {token}" if token else None)
+    # HTTPBearer has parsed the scheme: no credentials means a missing or non-Bearer header.
+    return services.api_keys.tenant(credentials.credentials if credentials else None)
 
 
 RunServiceDep = Annotated[RunService, Depends(get_run_service)]

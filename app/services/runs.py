@@ -10,6 +10,8 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from app import logs
 from app.db import models
 from app.db.repositories import (
@@ -20,7 +22,7 @@ from app.db.repositories import (
     row_to_message,
 )
 from app.db.session import Database
-from app.domain import Message, RunStatus, Usage
+from app.domain import Message, Role, RunStatus, Usage
 from app.errors import (
     IdempotencyKeyReused,
     MemoryStoreNotDurable,
@@ -180,15 +182,24 @@ class RunService:
 
     async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
         """May the caller use the session? The run an earlier request with this key started."""
-        assert body.session_id is not None
         async with self.sessions.begin() as session:
-            row = await SessionRepository(session).get(body.session_id)
+            row = await self._usable_session(session, turn, body)
             if row is None:
                 return None
+            return await self._keyed(RunRepository(session), row.id, turn)
+
+    @staticmethod
+    async def _usable_session(
+        session: AsyncSession, turn: Turn, body: RunCreate
+    ) -> models.Session | None:
+        """The session this turn names, once the caller may run a turn of this agent on it."""
+        assert body.session_id is not None
+        row = await SessionRepository(session).get(body.session_id)
+        if row is not None:
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
             if row.agent != body.agent:
                 raise SessionAgentMismatch(row.id, row.agent, body.agent)
-            return await self._keyed(RunRepository(session), row.id, turn)
+        return row
 
     @staticmethod
     async def _keyed(runs: RunRepository, session_id: str, turn: Turn) -> models.Run | None:
@@ -205,14 +216,10 @@ class RunService:
     ) -> tuple[list[Message], list[str], models.Run | None, bool]:
         """Check the caller may use the session; its history, unfinished runs, keyed run,
         and whether a later run has started since the keyed one."""
-        assert body.session_id is not None
         async with self.sessions.begin() as session:
-            row = await SessionRepository(session).get(body.session_id)
+            row = await self._usable_session(session, turn, body)
             if row is None:
                 return [], [], None, False
-            check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
-            if row.agent != body.agent:
-                raise SessionAgentMismatch(row.id, row.agent, body.agent)
             turn.session_exists = True
             turn.stored_count = row.message_count
             runs = RunRepository(session)
@@ -231,7 +238,7 @@ class RunService:
         turn.run_metadata = earlier.metadata_ or {}
         turn.iterations = earlier.iterations
         turn.usage = Usage(earlier.input_tokens, earlier.output_tokens)
-        turn.user_stored = any(m.run_id == earlier.id and m.role.value == "user" for m in history)
+        turn.user_stored = any(m.run_id == earlier.id and m.role is Role.USER for m in history)
 
     async def _busy(self, busy: SessionBusy, session_id: str) -> SessionBusy:
         """The 409 with the run that holds the session, read from the store if need be."""

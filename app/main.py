@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             db=db,
             registry=registry,
             runs=runs_service,
-            sessions=SessionService(db.sessions, ownership),
+            sessions=SessionService(db, ownership),
             head_revision=head_revision() if db.durable else None,
             api_keys=api_keys,
             metrics=metrics,

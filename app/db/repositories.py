@@ -93,12 +93,6 @@ class SessionRepository:
         """See list_query."""
         return (await self._s.execute(self.list_query(**kwargs))).scalars().all()
 
-    async def delete(self, session_id: str) -> None:
-        """Delete the session with its runs and messages."""
-        await self._s.execute(delete(models.Message).where(models.Message.session_id == session_id))
-        await self._s.execute(delete(models.Run).where(models.Run.session_id == session_id))
-        await self._s.execute(delete(models.Session).where(models.Session.id == session_id))
-
 
 class MessageRepository:
     def __init__(self, session: AsyncSession) -> None:
@@ -212,6 +206,13 @@ class RunRepository:
             )
         query = query.order_by(models.Run.created_at.desc(), models.Run.id.desc()).limit(limit)
         return (await self._s.scalars(query)).all()
+
+
+def delete_session(conn: Connection, *, session_id: str) -> None:
+    """Delete the session with its runs and messages (a Transactor body)."""
+    conn.execute(delete(models.Message).where(models.Message.session_id == session_id))
+    conn.execute(delete(models.Run).where(models.Run.session_id == session_id))
+    conn.execute(delete(models.Session).where(models.Session.id == session_id))
 
 
 class JournalWriter:

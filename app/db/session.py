@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sqlite3
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -24,6 +26,7 @@ from app.db.base import Base
 from app.errors import ConfigError
 
 MEMORY_URL = "memory://"
+SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 
 def async_url(database_url: str) -> str:
@@ -59,25 +62,24 @@ def asyncpg_dsn(database_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, *, begin: str, busy_timeout_ms: int) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Take over transaction control from the driver so BEGIN IMMEDIATE below is ours.
+        # Take over transaction control from the driver so the BEGIN below is ours.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA busy_timeout = 10000")
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")  # set-up may wait
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.execute("PRAGMA journal_mode = WAL")
         # With WAL, NORMAL survives any process crash (kill -9); only a power loss can drop
         # the last commits, which the contract's crash windows do not cover.
         cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        # IMMEDIATE takes the write lock up front: a read-then-write transaction can then never
-        # fail half-way with SQLITE_BUSY, it waits for busy_timeout instead.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql(begin)
 
 
 T = TypeVar("T")
@@ -119,32 +121,52 @@ class AsyncTransactor:
         return None
 
 
-class ThreadTransactor:
-    """SQLite: the whole body runs in a worker thread on the stdlib driver — one hand-off to a
-    thread per transaction instead of several per statement (the async driver's way)."""
+class InlineTransactor:
+    """SQLite: the body runs right on the event loop's thread, on the stdlib driver.
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    A WAL commit with synchronous=NORMAL takes tens of microseconds, several times less than
+    handing the work to a thread and back. It cannot stall the loop on a lock: every write of
+    this process goes through here, one at a time, and reads (the async engine) never take
+    the write lock. Only another process writing the same file can hold it; then BEGIN
+    IMMEDIATE fails at once (busy timeout 0) and the body is run again in a worker thread
+    that waits for the lock, so the loop never waits. Bodies must therefore be re-runnable:
+    they only execute statements, all rolled back when BEGIN fails.
+    """
+
+    def __init__(self, database_url: str) -> None:
+        self._engine = _sync_sqlite_engine(database_url, busy_timeout_ms=0)
+        self._waiting = _sync_sqlite_engine(database_url, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    def _run(self, body: Callable[[Connection], T]) -> T:
-        with self._engine.begin() as conn:
+    @staticmethod
+    def _run(engine: Engine, body: Callable[[Connection], T]) -> T:
+        with engine.begin() as conn:
             return body(conn)
 
+    async def open(self) -> None:
+        """Connect now, off the loop: a first connection's set-up may wait for the lock."""
+        await asyncio.to_thread(lambda: self._engine.connect().close())
+
     async def transact(self, body: Callable[[Connection], T]) -> T:
-        return await asyncio.to_thread(self._run, body)
+        try:
+            return self._run(self._engine, body)
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+                raise
+        return await asyncio.to_thread(self._run, self._waiting, body)
 
     async def dispose(self) -> None:
-        await asyncio.to_thread(self._engine.dispose)
+        self._engine.dispose()
+        self._waiting.dispose()
 
 
-def _sync_sqlite_engine(database_url: str) -> Engine:
-    # The pool hands connections to whichever worker thread runs the next transaction.
+def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
     engine = create_engine(database_url, connect_args={"check_same_thread": False})
-    _configure_sqlite(engine)
+    # IMMEDIATE takes the write lock up front: a body fails at BEGIN or not at all.
+    _configure_sqlite(engine, begin="BEGIN IMMEDIATE", busy_timeout_ms=busy_timeout_ms)
     return engine
 
 
@@ -191,8 +213,13 @@ class Database:
         engine = create_async_engine(url, **kwargs)
         writer: Transactor = AsyncTransactor(engine)
         if engine.dialect.name == "sqlite":
-            _configure_sqlite(engine.sync_engine)
-            writer = ThreadTransactor(_sync_sqlite_engine(database_url))
+            # Reads only: every write goes through `writes`, so a read never takes the write
+            # lock and never makes the loop-thread writer wait (see InlineTransactor).
+            _configure_sqlite(
+                engine.sync_engine, begin="BEGIN", busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS
+            )
+            writer = inline = InlineTransactor(database_url)
+            await inline.open()
         db = cls(
             engine,
             async_sessionmaker(engine, expire_on_commit=False),

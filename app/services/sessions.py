@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
-from app.db.repositories import MessageRepository, RunRepository, SessionRepository, row_to_message
+from app.db.repositories import (
+    MessageRepository,
+    RunRepository,
+    SessionRepository,
+    delete_session,
+    row_to_message,
+)
+from app.db.session import Database
 from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionNotFound
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
@@ -18,8 +26,11 @@ from app.services.runs import check_session_access, run_summary
 
 @dataclass
 class SessionService:
-    sessions: async_sessionmaker[AsyncSession]
+    db: Database
     ownership: Ownership
+
+    def __post_init__(self) -> None:
+        self.sessions = self.db.sessions
 
     async def get(
         self, session_id: str, *, tenant_id: str | None, user_id: str | None
@@ -95,9 +106,11 @@ class SessionService:
         """Delete the session, its runs and messages; not while a run is in progress."""
         async with self.sessions.begin() as session:  # not revealed by a 409 to others
             await self._visible(session, session_id, tenant_id, user_id)
-        async with self.ownership.hold(session_id), self.sessions.begin() as session:
-            await self._visible(session, session_id, tenant_id, user_id)
-            await SessionRepository(session).delete(session_id)
+        async with self.ownership.hold(session_id):
+            async with self.sessions.begin() as session:
+                await self._visible(session, session_id, tenant_id, user_id)
+            # Every write goes through db.writes (app/db/session.py, InlineTransactor).
+            await self.db.writes.transact(partial(delete_session, session_id=session_id))
 
     async def _status(self, session: AsyncSession, session_id: str) -> SessionStatus:
         if await self.ownership.is_held(session_id):

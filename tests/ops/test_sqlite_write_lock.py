@@ -1,0 +1,52 @@
+"""SQLite writes run on the event loop's thread; another process holding the file's write lock
+must make a run wait for it (in a worker thread), never stall the server or fail the run."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.ops.helpers import timed
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_run_waits_for_a_foreign_write_lock_while_the_server_keeps_answering(
+    database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    server = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+    ).start()
+    path = make_url(database_url).database
+    assert path is not None
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process's write transaction
+        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=30) as client:
+            body = {"agent": "echo", "message": "wait for the lock", "session_id": "locked"}
+            run = pool.submit(client.post, "/v1/runs", json=body)
+            for _ in range(5):
+                with timed(1.0, "GET /healthz while a run waits for the write lock"):
+                    assert client.get("/healthz").status_code == 200
+                time.sleep(0.1)
+            assert not run.done(), "the run did not wait for the write lock"
+            other.execute("COMMIT")
+            answer = run.result(timeout=20)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["status"] == "complete"
+            stored = client.get("/v1/sessions/locked/messages").json()["data"]
+        assert [m["role"] for m in stored] == ["user", "assistant"]
+    finally:
+        other.close()
+        server.kill()

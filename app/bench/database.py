@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions
+from app.db.journal_store import JournalStore, PostgresJournalStore
 from app.db.session import Database
 
 FLOOR_TABLE = Table(
@@ -23,14 +24,18 @@ FLOOR_TABLE = Table(
     Column("id", Integer, primary_key=True),
     Column("payload", Text, nullable=False),
 )
+FLOOR_SQL = "INSERT INTO bench_commit_floor (payload) VALUES ($1)"
 WRITES = ("INSERT", "UPDATE", "DELETE")
 
 
 @dataclass
 class TransactionCounter:
-    """Counts COMMITs, writing transactions, statements and pool checkouts on an engine."""
+    """Counts COMMITs, writing transactions, statements and pool checkouts: SQLAlchemy's on
+    the engines, and the statements PostgreSQL's journal store sends on the driver itself
+    (each its own transaction)."""
 
     db: Database
+    store: JournalStore
     commits: int = 0
     writing: int = 0
     statements: int = 0
@@ -57,6 +62,11 @@ class TransactionCounter:
     def _on_checkout(self, *args: Any) -> None:
         self.checkouts += 1
 
+    def _on_store_statement(self, sql: str) -> None:
+        self.commits += 1  # every statement of the store is a write in a transaction of its own
+        self.writing += 1
+        self.statements += 1
+
     def _listeners(self) -> list[tuple[Any, str, Any]]:
         # Reads go through the async engine; durable writes through db.writes, which on
         # SQLite is an engine of its own.
@@ -75,6 +85,8 @@ class TransactionCounter:
     def __enter__(self) -> TransactionCounter:
         for target, name, fn in self._listeners():
             event.listen(target, name, fn)
+        if isinstance(self.store, PostgresJournalStore):
+            self.store.observers.append(self._on_store_statement)
         return self
 
     def __exit__(
@@ -85,6 +97,8 @@ class TransactionCounter:
     ) -> None:
         for target, name, fn in self._listeners():
             event.remove(target, name, fn)
+        if isinstance(self.store, PostgresJournalStore):
+            self.store.observers.remove(self._on_store_statement)
 
     def result(self) -> Transactions:
         return Transactions(
@@ -123,12 +137,19 @@ def _checkpointed_size(path: str) -> int:
     return os.path.getsize(path)
 
 
-async def commit_floor(db: Database, options: BenchOptions) -> Stats:
-    """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms."""
+async def commit_floor(db: Database, store: JournalStore, options: BenchOptions) -> Stats:
+    """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms:
+    on PostgreSQL one statement on the driver in autocommit, on SQLite a `db.writes` body."""
     statement = insert(FLOOR_TABLE).values(payload=USER_MESSAGE)
 
     def bare(conn: Connection) -> None:
         conn.execute(statement)
+
+    async def transaction() -> None:
+        if isinstance(store, PostgresJournalStore):
+            await store.fetchval(FLOOR_SQL, [USER_MESSAGE])
+        else:
+            await db.writes.transact(bare)
 
     await db.writes.transact(lambda conn: FLOOR_TABLE.create(conn, checkfirst=True))
     times: list[float] = []
@@ -136,7 +157,7 @@ async def commit_floor(db: Database, options: BenchOptions) -> Stats:
         for index in range(options.warmup + max(30, options.sessions)):
             start = time.perf_counter()
             for _ in range(2 * options.steps + 1):
-                await db.writes.transact(bare)
+                await transaction()
             if index >= options.warmup:
                 times.append((time.perf_counter() - start) * 1000)
     finally:

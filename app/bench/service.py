@@ -135,7 +135,7 @@ def sessions_of(stateless: list[float], durable: list[float], steps: int) -> Ses
 
 async def count_transactions(rig: Rig, steps: int) -> Transactions:
     """What one durable session asks of the database."""
-    with TransactionCounter(rig.db) as counter:
+    with TransactionCounter(rig.db, rig.service.store) as counter:
         await rig.session(durable=True, steps=steps)
     return counter.result()
 
@@ -199,7 +199,7 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         transactions = await count_transactions(rig, options.steps)
         rate = await throughput(rig, options)
         long = await long_session(rig, database_url, options.long_steps)
-        floor = await commit_floor(rig.db, options)
+        floor = await commit_floor(rig.db, rig.service.store, options)
         version = await database_version(rig.db)
     finally:
         await rig.close()

@@ -1,8 +1,6 @@
 """Repositories: add, flush and select inside the caller's transaction; they never commit.
 
-The hot path (the runner's per-step writes) is JournalWriter: Core statements built once,
-rather than the ORM unit of work, so a step is a few short round trips whatever the length
-of the history.
+The hot path, the runner's per-step writes, is not here but in app/db/journal_store.py.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, bindparam, delete, func, insert, select, update
+from sqlalchemy import Select, delete, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -213,105 +211,3 @@ def delete_session(conn: Connection, *, session_id: str) -> None:
     conn.execute(delete(models.Message).where(models.Message.session_id == session_id))
     conn.execute(delete(models.Run).where(models.Run.session_id == session_id))
     conn.execute(delete(models.Session).where(models.Session.id == session_id))
-
-
-class JournalWriter:
-    """The runner's per-step writes: Core statements built once, run on a connection inside a
-    transaction body (app/db/session.py, Transactor).
-
-    `fence` is the ownership condition (services/ownership.py) with bind parameters; each
-    call passes its values. Building statements once and skipping the ORM keeps a step's
-    durable writes to a few round trips of fixed size, whatever the length of the history.
-    """
-
-    def __init__(self, fence: ColumnElement[bool]) -> None:
-        session, run = models.Session, models.Run
-        claim = update(session).where(
-            session.id == bindparam("b_session_id"),
-            session.message_count == bindparam("b_expected"),
-            fence,
-        )
-        self._fence = select(fence)
-        self._advance = claim.values(message_count=bindparam("b_new"))
-        # updated_at moves at the start and the end of a turn only: it is indexed, and an
-        # indexed column written every step would make every session update a full one.
-        self._advance_touch = claim.values(
-            message_count=bindparam("b_new"), updated_at=bindparam("b_now")
-        )
-        self._insert_session = insert(session)
-        self._insert_messages = insert(models.Message)
-        self._insert_run = insert(run)
-        self._progress = (
-            update(run)
-            .where(run.id == bindparam("b_run_id"))
-            .values(
-                iterations=bindparam("b_iterations"),
-                input_tokens=bindparam("b_input_tokens"),
-                output_tokens=bindparam("b_output_tokens"),
-            )
-        )
-        self._run = run
-
-    def owned(self, conn: Connection, fence: dict[str, Any]) -> bool:
-        """Whether the fence holds now."""
-        return bool(conn.scalar(self._fence, fence))
-
-    def create_session(self, conn: Connection, values: dict[str, Any]) -> None:
-        """Insert a session row; a concurrent creator makes this raise IntegrityError."""
-        conn.execute(self._insert_session, values)
-
-    def advance(
-        self,
-        conn: Connection,
-        session_id: str,
-        *,
-        expected: int,
-        new: int,
-        touch: datetime | None,
-        fence: dict[str, Any],
-    ) -> bool:
-        """Compare-and-set `message_count` under the fence; False if someone else wrote."""
-        params = {"b_session_id": session_id, "b_expected": expected, "b_new": new, **fence}
-        if touch is None:
-            result = conn.execute(self._advance, params)
-        else:
-            result = conn.execute(self._advance_touch, {**params, "b_now": touch})
-        return result.rowcount == 1
-
-    def add_messages(
-        self, conn: Connection, session_id: str, messages: Sequence[Message], now: datetime
-    ) -> None:
-        """Insert messages whose `seq` is already assigned, in one round trip."""
-        for message in messages:
-            message.created_at = now
-        if messages:
-            rows = [message_to_row(m, session_id=session_id, now=now) for m in messages]
-            conn.execute(self._insert_messages, rows)
-
-    def insert_run(self, conn: Connection, values: dict[str, Any]) -> None:
-        """Insert a run row."""
-        conn.execute(self._insert_run, values)
-
-    def update_run(self, conn: Connection, run_id: str, values: dict[str, Any]) -> None:
-        """Set some columns of a run (start and end of a turn)."""
-        conn.execute(update(self._run).where(self._run.id == run_id).values(**values))
-
-    def progress(
-        self,
-        conn: Connection,
-        run_id: str,
-        *,
-        iterations: int,
-        input_tokens: int,
-        output_tokens: int,
-    ) -> None:
-        """Record a run's iterations and usage so far."""
-        conn.execute(
-            self._progress,
-            {
-                "b_run_id": run_id,
-                "b_iterations": iterations,
-                "b_input_tokens": input_tokens,
-                "b_output_tokens": output_tokens,
-            },
-        )

@@ -1,10 +1,9 @@
 """The durable writes of a turn (CONTRACT §2), each one short transaction.
 
-Every write appends messages with the next `seq` values and advances the session's
-`message_count` with a compare-and-set, in the same statement as the ownership fence
-(services/ownership.py): a runner that lost the session, or a second writer, fails its write
-instead of interleaving (SessionConflict), and a repeated write conflicts on
-`(session_id, seq)` instead of duplicating.
+The journal decides what each write holds (the turn's user message on its first write, the
+run's progress, the session row of a new session); app/db/journal_store.py carries it out,
+fenced and compare-and-set on the session's message count, so a runner that lost the
+session writes nothing (SessionConflict).
 """
 
 from __future__ import annotations
@@ -12,16 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any
 
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
-
 from app.db.base import utcnow
-from app.db.repositories import JournalWriter
-from app.db.session import Transactor
+from app.db.journal_store import JournalStore, JournalWrite
 from app.domain import Message, RunStatus, Usage
-from app.errors import SessionConflict
 from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.ownership import Ownership
@@ -100,14 +95,12 @@ class DurableJournal(Journal):
 
     def __init__(
         self,
-        writes: Transactor,
-        writer: JournalWriter,
+        store: JournalStore,
         failpoints: Failpoints,
         ownership: Ownership,
         metrics: Metrics,
     ) -> None:
-        self._writes = writes
-        self._writer = writer
+        self._store = store
         self._failpoints = failpoints
         self._ownership = ownership
         self._metrics = metrics
@@ -115,43 +108,29 @@ class DurableJournal(Journal):
     async def record_start(
         self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
     ) -> None:
-        assert turn.session_id is not None
         kind = "repair" if repairs or interrupted else "start"
+        new_run, run_values = None, None
+        if turn.run_stored:  # a continued turn runs again
+            run_values = {"status": RunStatus.RUNNING.value, "finished_at": None}
+        else:
+            new_run = self._new_run(turn)
         with self._metrics.write(kind):
-            await self._start(turn, repairs, interrupted)
-        self._appended(turn, repairs)
+            await self._write(
+                turn,
+                repairs,
+                touch=True,
+                new_run=new_run,
+                run_values=run_values,
+                interrupted=interrupted,
+            )
         turn.run_stored = True
-
-    async def _start(
-        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        assert turn.session_id is not None
-        session_id = turn.session_id
-        fence = self._ownership.fence_params(session_id)
-        writer = self._writer
-
-        def body(conn: Connection) -> None:
-            now = utcnow()
-            if not writer.owned(conn, fence):
-                raise SessionConflict(session_id)
-            self._advance(conn, turn, repairs, now=now, touch=True)
-            for run_id in interrupted:
-                values = {"status": RunStatus.INTERRUPTED.value, "finished_at": now}
-                writer.update_run(conn, run_id, values)
-            if turn.run_stored:  # a continued turn runs again
-                values = {"status": RunStatus.RUNNING.value, "finished_at": None}
-                writer.update_run(conn, turn.run_id, values)
-            else:
-                writer.insert_run(conn, self._new_run(turn))
-
-        await self._transact(turn, body)
         turn.stored_progress = turn.progress()
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         assistant.run_id = turn.run_id
         self._failpoints.reach("before-write-1")
         with self._metrics.write("write1"):
-            await self._append(turn, [assistant], store_user=True)
+            await self._append(turn, [assistant])
         self._failpoints.reach("after-write-1")
 
     def check_owned(self, turn: Turn) -> None:
@@ -162,8 +141,11 @@ class DurableJournal(Journal):
         for message in results:
             message.run_id = turn.run_id
         self._failpoints.reach("after-handlers")
+        before_commit = None
+        if self._failpoints.armed:  # the rows are sent, the commit is not
+            before_commit = partial(self._failpoints.reach, "in-write-2")
         with self._metrics.write("write2"):
-            await self._append(turn, results, store_user=True, failpoint="in-write-2")
+            await self._append(turn, results, before_commit=before_commit)
         self._failpoints.reach("after-write-2")
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
@@ -178,92 +160,81 @@ class DurableJournal(Journal):
         if final is not None:
             final.run_id = turn.run_id
         self._failpoints.reach("before-final-write")
-        # A model failure before any write leaves the history as it was: no user message.
-        batch = [final] if final is not None else []
         with self._metrics.write("final"):
-            await self._append(turn, batch, store_user=final is not None, run_values=values)
+            if final is None:  # a model failure before any write: no user message either
+                await self._write(turn, [], touch=True, run_values=values)
+            else:
+                await self._append(turn, [final], end=values)
 
     async def _append(
         self,
         turn: Turn,
         messages: Sequence[Message],
         *,
-        store_user: bool,
-        run_values: dict[str, Any] | None = None,
-        failpoint: str | None = None,
+        end: dict[str, Any] | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
-        """Append messages (after the user message, if due) and bring the run up to date."""
-        assert turn.session_id is not None
+        """Append messages (after the user message, if due) and bring the run up to date:
+        to its `end` values, else to its progress if that moved (write #2: usually not)."""
         batch = list(messages)
-        with_user = store_user and not turn.user_stored
-        if with_user:
+        if not turn.user_stored:
             turn.user_message.run_id = turn.run_id
             batch.insert(0, turn.user_message)
         progress = turn.progress()
-        writer = self._writer
-
-        def body(conn: Connection) -> None:
-            self._advance(conn, turn, batch, now=utcnow(), touch=run_values is not None)
-            if run_values is not None:
-                writer.update_run(conn, turn.run_id, run_values)
-            elif progress != turn.stored_progress:  # write #2 usually has nothing new
-                iterations, input_tokens, output_tokens = progress
-                writer.progress(
-                    conn,
-                    turn.run_id,
-                    iterations=iterations,
-                    input_tokens=input_tokens,
-                    output_tokens=output_tokens,
-                )
-            if failpoint is not None and self._failpoints.armed:
-                self._failpoints.reach(failpoint)  # the rows are sent, the commit is not
-
-        await self._transact(turn, body)
-        self._appended(turn, batch)
+        run_values = end
+        if run_values is None and progress != turn.stored_progress:
+            run_values = turn.run_values()
+        await self._write(
+            turn, batch, touch=end is not None, run_values=run_values, before_commit=before_commit
+        )
         turn.stored_progress = progress
-        turn.user_stored = turn.user_stored or with_user
+        turn.user_stored = True
 
-    def _advance(
+    async def _write(
         self,
-        conn: Connection,
         turn: Turn,
         batch: Sequence[Message],
         *,
-        now: datetime,
         touch: bool,
+        new_run: dict[str, Any] | None = None,
+        run_values: dict[str, Any] | None = None,
+        interrupted: Sequence[str] = (),
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
-        """Number the batch after the stored history, claim those seqs, insert the rows."""
+        """Number the batch after the stored history and write it with the run's changes."""
         assert turn.session_id is not None
+        now = utcnow()
         for offset, message in enumerate(batch, start=1):
             message.seq = turn.stored_count + offset
-        new_count = turn.stored_count + len(batch)
+            message.created_at = now
+        new_session = None
         if not turn.session_exists:
-            self._writer.create_session(
-                conn,
-                {
-                    "id": turn.session_id,
-                    "agent": turn.agent,
-                    "tenant_id": turn.tenant_id,
-                    "user_id": turn.user_id,
-                    "metadata": turn.session_metadata,
-                    "message_count": new_count,
-                    "created_at": now,
-                    "updated_at": now,
-                },
+            new_session = {
+                "id": turn.session_id,
+                "agent": turn.agent,
+                "tenant_id": turn.tenant_id,
+                "user_id": turn.user_id,
+                "metadata": turn.session_metadata,
+                "message_count": turn.stored_count + len(batch),
+                "created_at": now,
+                "updated_at": now,
+            }
+        await self._store.write(
+            JournalWrite(
+                session_id=turn.session_id,
+                run_id=turn.run_id,
+                expected=turn.stored_count,
+                now=now,
+                fence=self._ownership.fence_params(turn.session_id),
+                messages=batch,
+                touch=touch,
+                new_session=new_session,
+                new_run=new_run,
+                run_values=run_values,
+                interrupted=interrupted,
+                before_commit=before_commit,
             )
-        elif not self._writer.advance(
-            conn,
-            turn.session_id,
-            expected=turn.stored_count,
-            new=new_count,
-            touch=now if touch else None,
-            fence=self._ownership.fence_params(turn.session_id),
-        ):
-            raise SessionConflict(turn.session_id)
-        self._writer.add_messages(conn, turn.session_id, batch, now)
-
-    @staticmethod
-    def _appended(turn: Turn, batch: Sequence[Message]) -> None:
+        )
         turn.stored_count += len(batch)
         turn.session_exists = True
 
@@ -281,10 +252,3 @@ class DurableJournal(Journal):
             "created_at": turn.created_at,
             **turn.run_values(),
         }
-
-    async def _transact(self, turn: Turn, body: Callable[[Connection], None]) -> None:
-        """One transaction; losing a race for the session's next seq is a SessionConflict."""
-        try:
-            await self._writes.transact(body)
-        except IntegrityError as exc:
-            raise SessionConflict(turn.session_id or "") from exc

@@ -11,7 +11,7 @@ Two layers:
   connection idle for longer than `takeover_after_s` terminates that backend
   (`pg_terminate_backend`), which frees the lock, and takes the session.
 
-Fencing: every durable write includes `fence(session_id)` — "this process's lock connection
+Fencing: every durable write includes `fence_sql` — "this process's lock connection
 still holds this session's lock" (a `pg_locks` lookup) — in its own transaction, so a runner
 that lost the session writes nothing more. Before each tool dispatch the runner also checks
 locally that its lock connection is alive and answered a heartbeat recently (`check`), so a
@@ -32,20 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import asyncpg
-from sqlalchemy import ColumnElement, and_, bindparam, column, exists, literal, select, table, true
 
 from app.errors import SessionBusy, SessionConflict
 
 log = logging.getLogger(__name__)
 
-_pg_locks = table(
-    "pg_locks",
-    column("locktype"),
-    column("granted"),
-    column("pid"),
-    column("classid"),
-    column("objid"),
-    column("objsubid"),
+# True while the backend `fence_pid` (this process's lock connection) holds the advisory lock
+# whose key pg_locks shows as (classid, objid) = (fence_hi, fence_lo).
+PG_FENCE_SQL = (
+    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = :fence_pid AND classid = :fence_hi AND objid = :fence_lo AND objsubid = 1)"
 )
 
 
@@ -114,13 +110,15 @@ class Ownership(Protocol):
         The owner names its run with `active.confirm` once the run is stored."""
         ...
 
-    def fence(self) -> ColumnElement[bool]:
+    @property
+    def fence_sql(self) -> str:
         """A SQL condition, true while this process still owns the session named by the
-        bind parameters `fence_params` gives (built once, so statements can be reused)."""
+        bind parameters (`:name`) that `fence_params` gives; written once, so statements
+        that carry it can be prepared once."""
         ...
 
     def fence_params(self, session_id: str) -> dict[str, Any]:
-        """The bind parameters of `fence` for a session."""
+        """The bind parameters of `fence_sql` for a session."""
         ...
 
     def check(self, session_id: str) -> None:
@@ -158,8 +156,9 @@ class LocalOwnership:
         finally:
             self.active.release(session_id)
 
-    def fence(self) -> ColumnElement[bool]:
-        return true()
+    @property
+    def fence_sql(self) -> str:
+        return "1 = 1"
 
     def fence_params(self, session_id: str) -> dict[str, Any]:
         return {}
@@ -227,21 +226,9 @@ class PostgresOwnership:
         finally:
             self.active.release(session_id)
 
-    def fence(self) -> ColumnElement[bool]:
-        return exists(
-            select(literal(1))
-            .select_from(_pg_locks)
-            .where(
-                and_(
-                    _pg_locks.c.locktype == "advisory",
-                    _pg_locks.c.granted.is_(True),
-                    _pg_locks.c.pid == bindparam("fence_pid"),
-                    _pg_locks.c.classid == bindparam("fence_hi"),
-                    _pg_locks.c.objid == bindparam("fence_lo"),
-                    _pg_locks.c.objsubid == 1,
-                )
-            )
-        )
+    @property
+    def fence_sql(self) -> str:
+        return PG_FENCE_SQL
 
     def fence_params(self, session_id: str) -> dict[str, Any]:
         hi, lo = _key_parts(lock_key(session_id))

@@ -14,8 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import logs
 from app.db import models
+from app.db.journal_store import journal_store
 from app.db.repositories import (
-    JournalWriter,
     MessageRepository,
     RunRepository,
     SessionRepository,
@@ -90,7 +90,7 @@ class RunService:
 
     def __post_init__(self) -> None:
         self.sessions = self.db.sessions
-        self._writer = JournalWriter(self.ownership.fence())
+        self.store = journal_store(self.db, self.ownership.fence_sql)
 
     async def create(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None
@@ -154,9 +154,7 @@ class RunService:
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
-        journal = DurableJournal(
-            self.db.writes, self._writer, self.failpoints, self.ownership, self.metrics
-        )
+        journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
         repairs = await self.runner.repairs(turn, history, agent)
         await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])
         assert turn.session_id is not None

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from app.db import models
-from app.db.repositories import JournalWriter, MessageRepository, RunRepository, SessionRepository
+from app.db.journal_store import journal_store
+from app.db.repositories import MessageRepository, RunRepository, SessionRepository
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
 from app.errors import SessionConflict
@@ -46,8 +47,8 @@ def metrics() -> Metrics:
 @pytest.fixture
 def journal(db: Database, metrics: Metrics) -> DurableJournal:
     ownership = LocalOwnership()
-    writer = JournalWriter(ownership.fence())
-    return DurableJournal(db.writes, writer, Failpoints.parse(None), ownership, metrics)
+    store = journal_store(db, ownership.fence_sql)
+    return DurableJournal(store, Failpoints.parse(None), ownership, metrics)
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:

@@ -280,13 +280,15 @@ class PostgresJournalStore:
                     before_commit()
         except BaseException as exc:
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, CONNECTION_ERRORS):
-                pooled.close()  # the statement failed, the connection is fine
+                await greenlet_spawn(pooled.close)  # the statement failed, not the connection
                 raise
             await greenlet_spawn(pooled.invalidate, exc)
             if isinstance(exc, CONNECTION_ERRORS):
                 raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
             raise
-        pooled.close()
+        # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
+        # adapter can only do inside greenlet_spawn.
+        await greenlet_spawn(pooled.close)
         for observer in self.observers:
             observer(sql)
         return value

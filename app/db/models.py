@@ -12,7 +12,6 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
-    BigInteger,
     Boolean,
     ForeignKey,
     Index,
@@ -24,9 +23,6 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db.base import Base, UTCDateTime, utcnow
-
-# SQLite only auto-increments an INTEGER PRIMARY KEY.
-BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Session(Base):
@@ -72,11 +68,14 @@ class Run(Base):
 
 
 class Message(Base):
+    """One message of a session's history, named by its place in it: (session_id, seq)."""
+
     __tablename__ = "message"
 
-    id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
-    session_id: Mapped[str] = mapped_column(ForeignKey("session.id", ondelete="CASCADE"))
-    seq: Mapped[int] = mapped_column(Integer)
+    session_id: Mapped[str] = mapped_column(
+        ForeignKey("session.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[str] = mapped_column(Text)
     tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
@@ -85,5 +84,3 @@ class Message(Base):
     is_error: Mapped[bool] = mapped_column(Boolean, default=False)
     run_id: Mapped[str | None] = mapped_column(String(36))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-
-    __table_args__ = (UniqueConstraint("session_id", "seq"),)

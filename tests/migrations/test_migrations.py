@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
@@ -96,6 +96,47 @@ def test_upgrade_downgrade_upgrade_leaves_no_autogenerate_diff(empty_url: str) -
 
     upgrade(empty_url)  # already at head: nothing changes
     assert inspect_schema(empty_url) == (TABLES | {"alembic_version"}, [], head)
+
+
+def _sql(database_url: str, *statements: str) -> list[Any]:
+    """Run statements in one transaction; the rows of the last one."""
+
+    async def go() -> list[Any]:
+        engine = create_async_engine(async_url(database_url), poolclass=NullPool)
+        try:
+            async with engine.begin() as conn:
+                for statement in statements:
+                    result = await conn.execute(text(statement))
+                return list(result) if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def test_the_message_key_migration_keeps_every_message_both_ways(empty_url: str) -> None:
+    before = "9b3f5d1e7a22"  # message still has its surrogate id
+    upgrade(empty_url, before)
+    _sql(
+        empty_url,
+        "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
+        " VALUES ('s', 'main', '{}', 3, '2026-11-29 00:00:00', '2026-11-29 00:00:00')",
+        *(
+            "INSERT INTO message (session_id, seq, role, content, is_error, created_at)"
+            f" VALUES ('s', {seq}, 'user', 'm{seq}', false, '2026-11-29 00:00:00')"
+            for seq in (1, 2, 3)
+        ),
+    )
+    history = "SELECT seq, content FROM message WHERE session_id = 's' ORDER BY seq"
+
+    upgrade(empty_url)
+    assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
+    assert inspect_schema(empty_url)[1] == []
+
+    downgrade(empty_url, before)
+    assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
+    ids = [row[0] for row in _sql(empty_url, "SELECT id FROM message")]
+    assert len(set(ids)) == 3 and None not in ids
 
 
 def test_concurrent_upgrades_in_threads_both_succeed(empty_url: str) -> None:

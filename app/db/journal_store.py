@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import asyncpg
-from sqlalchemy import bindparam, insert, text, update
+from sqlalchemy import Update, bindparam, insert, text, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -99,6 +99,7 @@ class CoreJournalStore:
         self._insert_messages = insert(models.Message)
         self._insert_run = insert(run)
         self._run = run
+        self._run_updates: dict[tuple[str, ...], Update] = {}
 
     async def write(self, write: JournalWrite) -> None:
         try:
@@ -118,8 +119,9 @@ class CoreJournalStore:
         if write.new_run is not None:
             conn.execute(self._insert_run, write.new_run)
         if write.run_values is not None:
+            values = {f"u_{c}": v for c, v in write.run_values.items()}
             conn.execute(
-                update(self._run).where(self._run.id == write.run_id).values(**write.run_values)
+                self._run_update(tuple(write.run_values)), {"b_run_id": write.run_id, **values}
             )
         if write.interrupted:
             conn.execute(
@@ -129,6 +131,18 @@ class CoreJournalStore:
             )
         if write.before_commit is not None:
             write.before_commit()
+
+    def _run_update(self, columns: tuple[str, ...]) -> Update:
+        """The update of these run columns, built once per set of columns."""
+        statement = self._run_updates.get(columns)
+        if statement is None:
+            run = self._run
+            statement = self._run_updates[columns] = (
+                update(run)
+                .where(run.id == bindparam("b_run_id"))
+                .values({c: bindparam(f"u_{c}") for c in columns})
+            )
+        return statement
 
     def _claim(self, conn: Connection, write: JournalWrite) -> bool:
         if write.new_session is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import Column, Connection, Integer, MetaData, Table, Text, event, insert, text
+from sqlalchemy import Column, Connection, Integer, MetaData, Table, Text, event, text
 from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
@@ -24,15 +24,15 @@ FLOOR_TABLE = Table(
     Column("id", Integer, primary_key=True),
     Column("payload", Text, nullable=False),
 )
-FLOOR_SQL = "INSERT INTO bench_commit_floor (payload) VALUES ($1)"
+FLOOR_SQL_PG = "INSERT INTO bench_commit_floor (payload) VALUES ($1)"
 WRITES = ("INSERT", "UPDATE", "DELETE")
 
 
 @dataclass
 class TransactionCounter:
     """Counts COMMITs, writing transactions, statements and pool checkouts: SQLAlchemy's on
-    the engines, and the statements PostgreSQL's journal store sends on the driver itself
-    (each its own transaction)."""
+    the read engine, and those the journal store reports for the writes it sends on the
+    driver itself."""
 
     db: Database
     store: JournalStore
@@ -62,31 +62,30 @@ class TransactionCounter:
     def _on_checkout(self, *args: Any) -> None:
         self.checkouts += 1
 
-    def _on_store_statement(self, sql: str) -> None:
-        self.commits += 1  # every statement of the store is a write in a transaction of its own
+    def _on_store_commit(self, statements: int) -> None:
+        self.commits += 1  # every transaction of the journal store is a write
         self.writing += 1
-        self.statements += 1
+        self.statements += statements
 
     def _listeners(self) -> list[tuple[Any, str, Any]]:
-        # Reads go through the async engine; durable writes through db.writes, which on
-        # SQLite is an engine of its own.
-        engines = {self.db.engine.sync_engine, self.db.writes.engine}
+        # Reads go through the async engine (SQLAlchemy); durable writes through the journal
+        # store, which sends its statements on the driver and reports its commits; on SQLite
+        # on an engine of its own (db.writes), whose pool checkouts count too.
+        reads = self.db.engine.sync_engine
         return [
-            listener
-            for engine in engines
-            for listener in (
-                (engine, "commit", self._on_commit),
-                (engine, "rollback", self._on_rollback),
-                (engine, "before_cursor_execute", self._on_execute),
-                (engine.pool, "checkout", self._on_checkout),
-            )
+            (reads, "commit", self._on_commit),
+            (reads, "rollback", self._on_rollback),
+            (reads, "before_cursor_execute", self._on_execute),
+            *(
+                (engine.pool, "checkout", self._on_checkout)
+                for engine in {reads, self.db.writes.engine}
+            ),
         ]
 
     def __enter__(self) -> TransactionCounter:
         for target, name, fn in self._listeners():
             event.listen(target, name, fn)
-        if isinstance(self.store, PostgresJournalStore):
-            self.store.observers.append(self._on_store_statement)
+        self.store.observers.append(self._on_store_commit)
         return self
 
     def __exit__(
@@ -97,8 +96,7 @@ class TransactionCounter:
     ) -> None:
         for target, name, fn in self._listeners():
             event.remove(target, name, fn)
-        if isinstance(self.store, PostgresJournalStore):
-            self.store.observers.remove(self._on_store_statement)
+        self.store.observers.remove(self._on_store_commit)
 
     def result(self) -> Transactions:
         return Transactions(
@@ -138,16 +136,17 @@ def _checkpointed_size(path: str) -> int:
 
 
 async def commit_floor(db: Database, store: JournalStore, options: BenchOptions) -> Stats:
-    """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms:
-    on PostgreSQL one statement on the driver in autocommit, on SQLite a `db.writes` body."""
-    statement = insert(FLOOR_TABLE).values(payload=USER_MESSAGE)
+    """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms: on
+    the driver, on PostgreSQL one statement in autocommit, on SQLite a `db.writes` body."""
 
     def bare(conn: Connection) -> None:
-        conn.execute(statement)
+        driver = conn.connection.dbapi_connection
+        assert isinstance(driver, sqlite3.Connection)
+        driver.execute("INSERT INTO bench_commit_floor (payload) VALUES (?)", (USER_MESSAGE,))
 
     async def transaction() -> None:
         if isinstance(store, PostgresJournalStore):
-            await store.fetchval(FLOOR_SQL, [USER_MESSAGE])
+            await store.fetchval(FLOOR_SQL_PG, [USER_MESSAGE])
         else:
             await db.writes.transact(bare)
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 import asyncpg
-from sqlalchemy import Update, bindparam, insert, text, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -66,6 +66,9 @@ class JournalWrite:
 
 
 class JournalStore(Protocol):
+    # Called after each commit with the number of statements it held (the bench counts).
+    observers: list[Callable[[int], None]]
+
     async def write(self, write: JournalWrite) -> None:
         """Commit the write, or raise SessionConflict having written nothing."""
         ...
@@ -75,92 +78,129 @@ def journal_store(db: Database, fence_sql: str) -> JournalStore:
     """The store's way of writing, fenced by the ownership's SQL condition."""
     if db.dialect == "postgresql":
         return PostgresJournalStore(db.engine, fence_sql)
-    return CoreJournalStore(db.writes, fence_sql)
+    return SqliteJournalStore(db.writes, fence_sql)
 
 
-class CoreJournalStore:
-    """Core statements, built once, in one transaction body per write."""
+class SqliteJournalStore:
+    """Each write one transaction body on `Database.writes` (on the loop's thread): the
+    claim, then the inserts and updates, as SQL on the stdlib driver's own connection.
+
+    Values go through the columns' own SQLAlchemy bind processors (dates, JSON, booleans),
+    so rows read back exactly as the ORM wrote them; the statements are fixed text, which
+    the driver keeps prepared."""
 
     def __init__(self, writes: Transactor, fence_sql: str) -> None:
-        session, run = models.Session, models.Run
-        fence = text(fence_sql)
-        claim = update(session).where(
-            session.id == bindparam("b_session_id"),
-            session.message_count == bindparam("b_expected"),
-            fence,
-        )
         self._writes = writes
-        self._owned = text(f"SELECT {fence_sql}")
-        self._advance = claim.values(message_count=bindparam("b_new"))
-        self._advance_touch = claim.values(
-            message_count=bindparam("b_new"), updated_at=bindparam("b_now")
-        )
-        self._insert_session = insert(session)
-        self._insert_messages = insert(models.Message)
-        self._insert_run = insert(run)
-        self._run = run
-        self._run_updates: dict[tuple[str, ...], Update] = {}
+        self._fence_sql = fence_sql
+        self.observers: list[Callable[[int], None]] = []
+        dialect = writes.engine.dialect
+        self._bind = {
+            model.__tablename__: {
+                column.name: processor
+                for column in model.__table__.columns
+                if (processor := column.type.bind_processor(dialect)) is not None
+            }
+            for model in (models.Session, models.Run, models.Message)
+        }
+        self._run_updates: dict[tuple[str, ...], str] = {}
 
     async def write(self, write: JournalWrite) -> None:
         try:
-            await self._writes.transact(lambda conn: self._body(conn, write))
+            statements = await self._writes.transact(lambda conn: self._body(conn, write))
         except IntegrityError as exc:
             raise SessionConflict(write.session_id) from exc
+        for observer in self.observers:
+            observer(statements)
 
-    def _body(self, conn: Connection, write: JournalWrite) -> None:
-        if not self._claim(conn, write):
-            raise SessionConflict(write.session_id)
-        if write.messages:
-            rows = [
-                message_to_row(m, session_id=write.session_id, now=write.now)
-                for m in write.messages
-            ]
-            conn.execute(self._insert_messages, rows)
-        if write.new_run is not None:
-            conn.execute(self._insert_run, write.new_run)
-        if write.run_values is not None:
-            values = {f"u_{c}": v for c, v in write.run_values.items()}
-            conn.execute(
-                self._run_update(tuple(write.run_values)), {"b_run_id": write.run_id, **values}
-            )
-        if write.interrupted:
-            conn.execute(
-                update(self._run)
-                .where(self._run.id.in_(write.interrupted))
-                .values(status=RunStatus.INTERRUPTED.value, finished_at=write.now)
-            )
+    def _body(self, conn: Connection, write: JournalWrite) -> int:
+        driver = conn.connection.dbapi_connection
+        assert isinstance(driver, sqlite3.Connection)
+        try:
+            statements = self._statements(driver, write)
+        except sqlite3.IntegrityError as exc:  # a second writer got these seqs first
+            raise SessionConflict(write.session_id) from exc
         if write.before_commit is not None:
             write.before_commit()
+        return statements
 
-    def _run_update(self, columns: tuple[str, ...]) -> Update:
-        """The update of these run columns, built once per set of columns."""
-        statement = self._run_updates.get(columns)
-        if statement is None:
-            run = self._run
-            statement = self._run_updates[columns] = (
-                update(run)
-                .where(run.id == bindparam("b_run_id"))
-                .values({c: bindparam(f"u_{c}") for c in columns})
+    def _statements(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
+        """Run the write's statements; how many it took."""
+        if not self._claim(driver, write):
+            raise SessionConflict(write.session_id)
+        statements = 1
+        if write.messages:
+            rows = [
+                self._row("message", message_to_row(m, session_id=write.session_id, now=write.now))
+                for m in write.messages
+            ]
+            driver.executemany(_insert("message", MESSAGE_ROW), rows)
+            statements += 1
+        if write.new_run is not None:
+            driver.execute(_insert("run", RUN_COLUMNS), self._row("run", write.new_run))
+            statements += 1
+        if write.run_values is not None:
+            values = self._row("run", write.run_values)
+            driver.execute(self._run_update(tuple(values)), {**values, "b_run_id": write.run_id})
+            statements += 1
+        if write.interrupted:
+            statements += 1
+            driver.executemany(
+                "UPDATE run SET status = :status, finished_at = :finished_at WHERE id = :id",
+                [
+                    self._row(
+                        "run",
+                        {
+                            "id": run_id,
+                            "status": RunStatus.INTERRUPTED.value,
+                            "finished_at": write.now,
+                        },
+                    )
+                    for run_id in write.interrupted
+                ],
             )
-        return statement
+        return statements
 
-    def _claim(self, conn: Connection, write: JournalWrite) -> bool:
+    def _claim(self, driver: sqlite3.Connection, write: JournalWrite) -> bool:
         if write.new_session is not None:
-            if not conn.scalar(self._owned, write.fence):
-                return False
-            conn.execute(self._insert_session, write.new_session)
-            return True
+            values = ", ".join(f":{c}" for c in SESSION_COLUMNS)
+            sql = (
+                f"INSERT INTO session ({', '.join(SESSION_COLUMNS)}) SELECT {values}"
+                f" WHERE {self._fence_sql}"
+            )
+            row = {**self._row("session", write.new_session), **write.fence}
+            return driver.execute(sql, row).rowcount == 1
+        touch = ", updated_at = :now" if write.touch else ""
+        sql = (
+            f"UPDATE session SET message_count = :new_count{touch}"
+            " WHERE id = :session_id AND message_count = :expected"
+            f" AND {self._fence_sql}"
+        )
         params = {
-            "b_session_id": write.session_id,
-            "b_expected": write.expected,
-            "b_new": write.new_count,
+            "session_id": write.session_id,
+            "expected": write.expected,
+            "new_count": write.new_count,
             **write.fence,
         }
         if write.touch:
-            result = conn.execute(self._advance_touch, {**params, "b_now": write.now})
-        else:
-            result = conn.execute(self._advance, params)
-        return result.rowcount == 1
+            params["now"] = self._bind["session"]["updated_at"](write.now)
+        return driver.execute(sql, params).rowcount == 1
+
+    def _row(self, table: str, values: dict[str, Any]) -> dict[str, Any]:
+        """Values as the driver stores them, by the column's own bind processor."""
+        bind = self._bind[table]
+        return {c: bind[c](v) if c in bind else v for c, v in values.items()}
+
+    def _run_update(self, columns: tuple[str, ...]) -> str:
+        sql = self._run_updates.get(columns)
+        if sql is None:
+            sets = ", ".join(f"{c} = :{c}" for c in columns)
+            sql = self._run_updates[columns] = f"UPDATE run SET {sets} WHERE id = :b_run_id"
+        return sql
+
+
+def _insert(table: str, columns: Iterable[str]) -> str:
+    names = list(columns)
+    return f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(':' + c for c in names)})"
 
 
 # The columns a write inserts and their SQL types: an INSERT … SELECT of parameters needs
@@ -202,6 +242,7 @@ MESSAGE_COLUMNS = {
     "run_id": "text",
 }
 JSON_COLUMNS = frozenset({"metadata", "tool_calls"})
+MESSAGE_ROW = ("session_id", *MESSAGE_COLUMNS, "created_at")
 # Errors that mean the connection, not the statement, failed.
 CONNECTION_ERRORS = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
@@ -248,8 +289,7 @@ class PostgresJournalStore:
 
     engine: AsyncEngine
     fence_sql: str
-    # Called with each statement's SQL once it committed (the bench counts transactions).
-    observers: list[Callable[[str], None]] = field(default_factory=list)
+    observers: list[Callable[[int], None]] = field(default_factory=list)
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
 
     async def write(self, write: JournalWrite) -> None:
@@ -304,7 +344,7 @@ class PostgresJournalStore:
         # adapter can only do inside greenlet_spawn.
         await greenlet_spawn(pooled.close)
         for observer in self.observers:
-            observer(sql)
+            observer(1)
         return value
 
     def _sql(self, shape: _Shape) -> str:

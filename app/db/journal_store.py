@@ -1,10 +1,11 @@
 """The durable writes of a turn, one transaction each (CONTRACT §2), on either store.
 
-A write is described by a `JournalWrite` and carried out by the store's `JournalStore`:
-- SQLite: `CoreJournalStore`, Core statements built once, run as one transaction body on
-  `Database.writes` (on the event loop's thread; app/db/session.py).
-- PostgreSQL: `PostgresJournalStore`, ONE statement per write (data-modifying CTEs), sent on
-  the driver's connection in autocommit: a write is one round trip and one commit.
+A write is described by a `JournalWrite` and carried out by the store's `JournalStore`, in
+SQL sent on the database driver itself (SQLAlchemy's layers cost more than the statements):
+- SQLite: `SqliteJournalStore`, a few fixed statements in one transaction body on
+  `Database.writes`, on the event loop's thread (app/db/session.py, InlineTransactor).
+- PostgreSQL: `PostgresJournalStore`, ONE statement per write (data-modifying CTEs) in
+  autocommit: a write is one round trip and one commit.
 
 Every write claims the session's next `seq` values with a compare-and-set on
 `session.message_count` (or creates the session) under the ownership fence
@@ -24,12 +25,15 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import asyncpg
+from sqlalchemy import String
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from app.db import models
+from app.db.base import Base
 from app.db.repositories import message_to_row
 from app.db.session import Database, Transactor
 from app.domain import Message, RunStatus
@@ -81,18 +85,109 @@ def journal_store(db: Database, fence_sql: str) -> JournalStore:
     return SqliteJournalStore(db.writes, fence_sql)
 
 
+_PG = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+
+def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:
+    """Columns of the model and the PostgreSQL types their parameters are cast to (an INSERT
+    … SELECT must spell them out). Strings go as text: the column's own length limit then
+    refuses a value too long, where a cast to varchar(n) would cut it."""
+    columns = model.__table__.columns
+    return {
+        name: "text" if isinstance(columns[name].type, String) else columns[name].type.compile(_PG)
+        for name in names
+    }
+
+
+# The columns each write inserts.
+SESSION_COLUMNS = _typed(models.Session, (c.name for c in models.Session.__table__.columns))
+RUN_COLUMNS = _typed(
+    models.Run,
+    (
+        "id",
+        "session_id",
+        "agent",
+        "user_id",
+        "status",
+        "metadata",
+        "idempotency_key",
+        "request_fingerprint",
+        "created_at",
+        "iterations",
+        "input_tokens",
+        "output_tokens",
+    ),
+)
+MESSAGE_COLUMNS = _typed(
+    models.Message,
+    (
+        c.name
+        for c in models.Message.__table__.columns
+        if c.name not in ("session_id", "created_at")
+    ),
+)
+JSON_COLUMNS = frozenset(
+    name
+    for table in (SESSION_COLUMNS, RUN_COLUMNS, MESSAGE_COLUMNS)
+    for name, type_ in table.items()
+    if type_ == "JSON"
+)
+
+
+def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
+    """The claim every write starts with: create the session, or advance its message count
+    from `:expected` to `:new_count` — only while the fence holds. `types` casts the
+    parameters of a created session to their column types."""
+    if create:
+        values = ", ".join(
+            f"CAST(:s_{c} AS {t})" if types else f":s_{c}" for c, t in SESSION_COLUMNS.items()
+        )
+        return (
+            f"INSERT INTO session ({', '.join(SESSION_COLUMNS)}) SELECT {values} WHERE {fence_sql}"
+        )
+    return (
+        f"UPDATE session SET message_count = :new_count{', updated_at = :now' if touch else ''}"
+        f" WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
+    )
+
+
+def run_update_sql(columns: Iterable[str], where: str) -> str:
+    """Set these run columns from `:u_<column>` parameters."""
+    return f"UPDATE run SET {', '.join(f'{c} = :u_{c}' for c in columns)} WHERE {where}"
+
+
+def interrupted_sql(where: str) -> str:
+    return (
+        f"UPDATE run SET status = '{RunStatus.INTERRUPTED.value}', finished_at = :now WHERE {where}"
+    )
+
+
 class SqliteJournalStore:
-    """Each write one transaction body on `Database.writes` (on the loop's thread): the
-    claim, then the inserts and updates, as SQL on the stdlib driver's own connection.
+    """Each write one transaction body on `Database.writes`: the claim, then the inserts and
+    updates, as fixed SQL text (kept prepared by the driver) on the stdlib driver.
 
     Values go through the columns' own SQLAlchemy bind processors (dates, JSON, booleans),
-    so rows read back exactly as the ORM wrote them; the statements are fixed text, which
-    the driver keeps prepared."""
+    so rows read back exactly as the ORM would have written them."""
+
+    INSERT_MESSAGE = (
+        f"INSERT INTO message (session_id, {', '.join(MESSAGE_COLUMNS)}, created_at)"
+        f" VALUES (:session_id, {', '.join(f':{c}' for c in MESSAGE_COLUMNS)}, :created_at)"
+    )
+    INSERT_RUN = (
+        f"INSERT INTO run ({', '.join(RUN_COLUMNS)})"
+        f" VALUES ({', '.join(f':r_{c}' for c in RUN_COLUMNS)})"
+    )
+    INTERRUPTED = interrupted_sql("id = :id")
 
     def __init__(self, writes: Transactor, fence_sql: str) -> None:
         self._writes = writes
-        self._fence_sql = fence_sql
         self.observers: list[Callable[[int], None]] = []
+        self._claims = {
+            (create, touch): claim_sql(fence_sql, create=create, touch=touch, types=False)
+            for create in (False, True)
+            for touch in (False, True)
+        }
+        self._run_updates: dict[tuple[str, ...], str] = {}
         dialect = writes.engine.dialect
         self._bind = {
             model.__tablename__: {
@@ -102,7 +197,6 @@ class SqliteJournalStore:
             }
             for model in (models.Session, models.Run, models.Message)
         }
-        self._run_updates: dict[tuple[str, ...], str] = {}
 
     async def write(self, write: JournalWrite) -> None:
         try:
@@ -125,124 +219,50 @@ class SqliteJournalStore:
 
     def _statements(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
         """Run the write's statements; how many it took."""
-        if not self._claim(driver, write):
+        now = self._bind["run"]["created_at"](write.now)
+        claim = {
+            "session_id": write.session_id,
+            "expected": write.expected,
+            "new_count": write.new_count,
+            "now": now,
+            **write.fence,
+        }
+        if write.new_session is not None:
+            claim.update(self._values("session", "s_", write.new_session))
+        sql = self._claims[(write.new_session is not None, write.touch)]
+        if driver.execute(sql, claim).rowcount != 1:
             raise SessionConflict(write.session_id)
         statements = 1
         if write.messages:
             rows = [
-                self._row("message", message_to_row(m, session_id=write.session_id, now=write.now))
+                self._values(
+                    "message", "", message_to_row(m, session_id=write.session_id, now=write.now)
+                )
                 for m in write.messages
             ]
-            driver.executemany(_insert("message", MESSAGE_ROW), rows)
+            driver.executemany(self.INSERT_MESSAGE, rows)
             statements += 1
         if write.new_run is not None:
-            driver.execute(_insert("run", RUN_COLUMNS), self._row("run", write.new_run))
+            driver.execute(self.INSERT_RUN, self._values("run", "r_", write.new_run))
             statements += 1
         if write.run_values is not None:
-            values = self._row("run", write.run_values)
-            driver.execute(self._run_update(tuple(values)), {**values, "b_run_id": write.run_id})
+            columns = tuple(write.run_values)
+            if columns not in self._run_updates:
+                self._run_updates[columns] = run_update_sql(columns, "id = :run_id")
+            values = self._values("run", "u_", write.run_values)
+            driver.execute(self._run_updates[columns], {**values, "run_id": write.run_id})
             statements += 1
         if write.interrupted:
+            driver.executemany(self.INTERRUPTED, [{"id": i, "now": now} for i in write.interrupted])
             statements += 1
-            driver.executemany(
-                "UPDATE run SET status = :status, finished_at = :finished_at WHERE id = :id",
-                [
-                    self._row(
-                        "run",
-                        {
-                            "id": run_id,
-                            "status": RunStatus.INTERRUPTED.value,
-                            "finished_at": write.now,
-                        },
-                    )
-                    for run_id in write.interrupted
-                ],
-            )
         return statements
 
-    def _claim(self, driver: sqlite3.Connection, write: JournalWrite) -> bool:
-        if write.new_session is not None:
-            values = ", ".join(f":{c}" for c in SESSION_COLUMNS)
-            sql = (
-                f"INSERT INTO session ({', '.join(SESSION_COLUMNS)}) SELECT {values}"
-                f" WHERE {self._fence_sql}"
-            )
-            row = {**self._row("session", write.new_session), **write.fence}
-            return driver.execute(sql, row).rowcount == 1
-        touch = ", updated_at = :now" if write.touch else ""
-        sql = (
-            f"UPDATE session SET message_count = :new_count{touch}"
-            " WHERE id = :session_id AND message_count = :expected"
-            f" AND {self._fence_sql}"
-        )
-        params = {
-            "session_id": write.session_id,
-            "expected": write.expected,
-            "new_count": write.new_count,
-            **write.fence,
-        }
-        if write.touch:
-            params["now"] = self._bind["session"]["updated_at"](write.now)
-        return driver.execute(sql, params).rowcount == 1
-
-    def _row(self, table: str, values: dict[str, Any]) -> dict[str, Any]:
-        """Values as the driver stores them, by the column's own bind processor."""
+    def _values(self, table: str, prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+        """Parameters named `<prefix><column>`, as the column's bind processor stores them."""
         bind = self._bind[table]
-        return {c: bind[c](v) if c in bind else v for c, v in values.items()}
-
-    def _run_update(self, columns: tuple[str, ...]) -> str:
-        sql = self._run_updates.get(columns)
-        if sql is None:
-            sets = ", ".join(f"{c} = :{c}" for c in columns)
-            sql = self._run_updates[columns] = f"UPDATE run SET {sets} WHERE id = :b_run_id"
-        return sql
+        return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}
 
 
-def _insert(table: str, columns: Iterable[str]) -> str:
-    names = list(columns)
-    return f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join(':' + c for c in names)})"
-
-
-# The columns a write inserts and their SQL types: an INSERT … SELECT of parameters needs
-# them spelled out, as nothing else tells PostgreSQL what type a parameter has.
-SESSION_COLUMNS = {
-    "id": "text",
-    "agent": "text",
-    "tenant_id": "text",
-    "user_id": "text",
-    "metadata": "json",
-    "message_count": "int",
-    "created_at": "timestamptz",
-    "updated_at": "timestamptz",
-}
-RUN_COLUMNS = {
-    "id": "text",
-    "session_id": "text",
-    "agent": "text",
-    "user_id": "text",
-    "status": "text",
-    "metadata": "json",
-    "idempotency_key": "text",
-    "request_fingerprint": "text",
-    "created_at": "timestamptz",
-    "iterations": "int",
-    "input_tokens": "int",
-    "output_tokens": "int",
-}
-# Messages go as one JSON array of objects (json_to_recordset): one parameter, encoded at C
-# speed, however many messages a write holds.
-MESSAGE_COLUMNS = {
-    "seq": "int",
-    "role": "text",
-    "content": "text",
-    "tool_calls": "json",
-    "tool_call_id": "text",
-    "tool_name": "text",
-    "is_error": "bool",
-    "run_id": "text",
-}
-JSON_COLUMNS = frozenset({"metadata", "tool_calls"})
-MESSAGE_ROW = ("session_id", *MESSAGE_COLUMNS, "created_at")
 # Errors that mean the connection, not the statement, failed.
 CONNECTION_ERRORS = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
@@ -348,21 +368,8 @@ class PostgresJournalStore:
         return value
 
     def _sql(self, shape: _Shape) -> str:
-        ctes: list[str] = []
-        if shape.create:
-            columns = ", ".join(SESSION_COLUMNS)
-            values = ", ".join(f"CAST(:s_{c} AS {t})" for c, t in SESSION_COLUMNS.items())
-            ctes.append(
-                f"claim AS (INSERT INTO session ({columns}) SELECT {values}"
-                f" WHERE {self.fence_sql} RETURNING id)"
-            )
-        else:
-            touch = ", updated_at = :now" if shape.touch else ""
-            ctes.append(
-                f"claim AS (UPDATE session SET message_count = :new_count{touch}"
-                " WHERE id = :session_id AND message_count = :expected"
-                f" AND {self.fence_sql} RETURNING id)"
-            )
+        claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)
+        ctes = [f"claim AS ({claim} RETURNING id)"]
         if shape.messages:
             columns = ", ".join(MESSAGE_COLUMNS)
             typed = ", ".join(f"{c} {t}" for c, t in MESSAGE_COLUMNS.items())
@@ -375,18 +382,13 @@ class PostgresJournalStore:
             columns = ", ".join(RUN_COLUMNS)
             values = ", ".join(f"CAST(:r_{c} AS {t})" for c, t in RUN_COLUMNS.items())
             ctes.append(f"new_run AS (INSERT INTO run ({columns}) SELECT {values} FROM claim)")
+        claimed = "EXISTS (SELECT 1 FROM claim)"
         if shape.run_columns:
-            sets = ", ".join(f"{c} = :u_{c}" for c in shape.run_columns)
-            ctes.append(
-                f"run_update AS (UPDATE run SET {sets}"
-                " WHERE id = :run_id AND EXISTS (SELECT 1 FROM claim))"
-            )
+            update = run_update_sql(shape.run_columns, f"id = :run_id AND {claimed}")
+            ctes.append(f"run_update AS ({update})")
         if shape.interrupted:
-            ctes.append(
-                f"interrupted AS (UPDATE run SET status = '{RunStatus.INTERRUPTED.value}',"
-                " finished_at = :now WHERE id = ANY(CAST(:interrupted AS text[]))"
-                " AND EXISTS (SELECT 1 FROM claim))"
-            )
+            update = interrupted_sql(f"id = ANY(CAST(:interrupted AS text[])) AND {claimed}")
+            ctes.append(f"interrupted AS ({update})")
         return f"WITH {', '.join(ctes)} SELECT count(*) FROM claim"
 
     @staticmethod

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from sqlalchemy import Column, Connection, Integer, MetaData, Table, Text, event, text
+from sqlalchemy import Column, Integer, MetaData, Table, Text, event, text
 from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions
 from app.db.journal_store import JournalStore, PostgresJournalStore
-from app.db.session import Database
+from app.db.session import Database, InlineTransactor
 
 FLOOR_TABLE = Table(
     "bench_commit_floor",
@@ -139,16 +139,15 @@ async def commit_floor(db: Database, store: JournalStore, options: BenchOptions)
     """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms: on
     the driver, on PostgreSQL one statement in autocommit, on SQLite a `db.writes` body."""
 
-    def bare(conn: Connection) -> None:
-        driver = conn.connection.dbapi_connection
-        assert isinstance(driver, sqlite3.Connection)
+    def bare(driver: sqlite3.Connection) -> None:
         driver.execute("INSERT INTO bench_commit_floor (payload) VALUES (?)", (USER_MESSAGE,))
 
     async def transaction() -> None:
         if isinstance(store, PostgresJournalStore):
             await store.fetchval(FLOOR_SQL_PG, [USER_MESSAGE])
         else:
-            await db.writes.transact(bare)
+            assert isinstance(db.writes, InlineTransactor)
+            await db.writes.transact_driver(bare)
 
     await db.writes.transact(lambda conn: FLOOR_TABLE.create(conn, checkfirst=True))
     times: list[float] = []

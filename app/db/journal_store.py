@@ -27,15 +27,13 @@ from typing import Any, Protocol
 import asyncpg
 from sqlalchemy import String
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
 from app.db import models
 from app.db.base import Base
 from app.db.repositories import message_to_row
-from app.db.session import Database, Transactor
+from app.db.session import Database, InlineTransactor
 from app.domain import Message, RunStatus
 from app.errors import DatabaseUnavailable, SessionConflict
 
@@ -82,6 +80,7 @@ def journal_store(db: Database, fence_sql: str) -> JournalStore:
     """The store's way of writing, fenced by the ownership's SQL condition."""
     if db.dialect == "postgresql":
         return PostgresJournalStore(db.engine, fence_sql)
+    assert isinstance(db.writes, InlineTransactor)
     return SqliteJournalStore(db.writes, fence_sql)
 
 
@@ -179,7 +178,7 @@ class SqliteJournalStore:
     )
     INTERRUPTED = interrupted_sql("id = :id")
 
-    def __init__(self, writes: Transactor, fence_sql: str) -> None:
+    def __init__(self, writes: InlineTransactor, fence_sql: str) -> None:
         self._writes = writes
         self.observers: list[Callable[[int], None]] = []
         self._claims = {
@@ -200,19 +199,16 @@ class SqliteJournalStore:
 
     async def write(self, write: JournalWrite) -> None:
         try:
-            statements = await self._writes.transact(lambda conn: self._body(conn, write))
-        except IntegrityError as exc:
+            statements = await self._writes.transact_driver(lambda d: self._body(d, write))
+        except sqlite3.IntegrityError as exc:  # a second writer got these seqs first
             raise SessionConflict(write.session_id) from exc
+        except sqlite3.OperationalError as exc:  # locked for too long, disk full, I/O error
+            raise DatabaseUnavailable("The database cannot be written now; retry later.") from exc
         for observer in self.observers:
             observer(statements)
 
-    def _body(self, conn: Connection, write: JournalWrite) -> int:
-        driver = conn.connection.dbapi_connection
-        assert isinstance(driver, sqlite3.Connection)
-        try:
-            statements = self._statements(driver, write)
-        except sqlite3.IntegrityError as exc:  # a second writer got these seqs first
-            raise SessionConflict(write.session_id) from exc
+    def _body(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
+        statements = self._statements(driver, write)
         if write.before_commit is not None:
             write.before_commit()
         return statements

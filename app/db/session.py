@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -131,24 +131,24 @@ class InlineTransactor:
     IMMEDIATE fails at once (busy timeout 0) and the body is run again in a worker thread
     that waits for the lock, so the loop never waits. Bodies must therefore be re-runnable:
     they only execute statements, all rolled back when BEGIN fails.
+
+    `transact` hands the body a SQLAlchemy Connection; `transact_driver`, the hot path of
+    the journal, the driver's own connection, held from the pool for the process's life.
     """
 
     def __init__(self, database_url: str) -> None:
         self._engine = _sync_sqlite_engine(database_url, busy_timeout_ms=0)
         self._waiting = _sync_sqlite_engine(database_url, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
+        self._held: PoolProxiedConnection | None = None
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    @staticmethod
-    def _run(engine: Engine, body: Callable[[Connection], T]) -> T:
-        with engine.begin() as conn:
-            return body(conn)
-
     async def open(self) -> None:
-        """Connect now, off the loop: a first connection's set-up may wait for the lock."""
-        await asyncio.to_thread(lambda: self._engine.connect().close())
+        """Connect now, off the loop (a first connection's set-up may wait for the lock),
+        and keep that connection for `transact_driver`."""
+        self._held = await asyncio.to_thread(self._engine.raw_connection)
 
     async def transact(self, body: Callable[[Connection], T]) -> T:
         try:
@@ -158,9 +158,53 @@ class InlineTransactor:
                 raise
         return await asyncio.to_thread(self._run, self._waiting, body)
 
+    async def transact_driver(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        assert self._held is not None, "open() first"
+        driver = self._held.dbapi_connection
+        assert isinstance(driver, sqlite3.Connection)
+        try:
+            return _driver_transaction(driver, body)
+        except _Busy:
+            return await asyncio.to_thread(self._run_driver_waiting, body)
+
+    @staticmethod
+    def _run(engine: Engine, body: Callable[[Connection], T]) -> T:
+        with engine.begin() as conn:
+            return body(conn)
+
+    def _run_driver_waiting(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        with self._waiting.connect() as conn:
+            driver = conn.connection.dbapi_connection
+            assert isinstance(driver, sqlite3.Connection)
+            return _driver_transaction(driver, body)
+
     async def dispose(self) -> None:
+        if self._held is not None:
+            self._held.close()
         self._engine.dispose()
         self._waiting.dispose()
+
+
+class _Busy(Exception):
+    """Another process holds the SQLite file's write lock."""
+
+
+def _driver_transaction(driver: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+    """BEGIN IMMEDIATE, the body, COMMIT — or ROLLBACK if anything fails."""
+    try:
+        driver.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
+            raise _Busy from exc
+        raise
+    try:
+        result = body(driver)
+        driver.execute("COMMIT")
+    except BaseException:
+        if driver.in_transaction:
+            driver.execute("ROLLBACK")
+        raise
+    return result
 
 
 def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:

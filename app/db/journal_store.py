@@ -259,8 +259,14 @@ class SqliteJournalStore:
         return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}
 
 
-# Errors that mean the connection, not the statement, failed.
-CONNECTION_ERRORS = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, OSError)
+# Errors that mean the connection, not the statement, failed (class 57 is the server ending
+# it: shutdown, terminated backend).
+CONNECTION_ERRORS = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.InterfaceError,
+    OSError,
+)
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
 
 
@@ -337,7 +343,7 @@ class PostgresJournalStore:
 
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
-        a statement error is invalidated, never reused."""
+        a statement error is invalidated, and on a lost connection the whole pool with it."""
         pooled = await self.engine.raw_connection()
         try:
             raw = pooled.driver_connection
@@ -354,6 +360,9 @@ class PostgresJournalStore:
                 raise
             await greenlet_spawn(pooled.invalidate, exc)
             if isinstance(exc, CONNECTION_ERRORS):
+                # As SQLAlchemy does on a disconnect: the pool's other connections are as old
+                # as this one, so none is reused.
+                await self.engine.dispose()
                 raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
             raise
         # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async

@@ -86,8 +86,11 @@ T = TypeVar("T")
 
 
 class Transactor(Protocol):
-    """Runs a synchronous transaction body — the durable writes' fixed statements — as one
-    unit: `body` gets a Connection inside BEGIN … COMMIT (rolled back if it raises)."""
+    """Every write that is not the journal's (session deletes, the bench's set-up) goes
+    through `Database.writes`: `body` gets a Connection inside BEGIN … COMMIT (rolled back if
+    it raises). On SQLite that keeps every write of the process on one path, which is what
+    lets reads never take the write lock (see InlineTransactor); the journal's own writes
+    are in app/db/journal_store.py."""
 
     @property
     def engine(self) -> Engine:

@@ -1,0 +1,87 @@
+"""PostgreSQL: the journal's pooled connections die between two writes of a run (a database
+restart, a proxy timeout). The write answers 503, the dead connections are never reused, and
+the session resumes with the side effect that ran kept at most once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.ops.helpers import wait_for
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
+
+TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
+KEY = {"Idempotency-Key": "turn-1"}
+ECHO = {"agent": "echo", "message": "hello"}
+
+
+def _terminate_pooled_connections(database_url: str) -> int:
+    """End every backend on the database except ours and the one holding advisory locks
+    (the server's ownership connection): what is left is the server's connection pool."""
+
+    async def go() -> int:
+        url = make_url(database_url).set(drivername="postgresql")
+        conn = await asyncpg.connect(url.render_as_string(hide_password=False))
+        try:
+            ended = await conn.fetchval(
+                "SELECT count(*) FROM ("
+                " SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
+                ") AS ended"
+            )
+            return int(ended)
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
+    database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    server = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+    ).start()
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool, server.client(timeout=60) as client:
+            # Turns in parallel leave several connections in the pool, all soon dead.
+            warm = [
+                pool.submit(client.post, "/v1/runs", json={**ECHO, "session_id": f"warm-{i}"})
+                for i in range(8)
+            ]
+            assert all(f.result(timeout=30).status_code == 200 for f in warm)
+            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
+            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            assert _terminate_pooled_connections(database_url) >= 2
+            tool_server.release()  # write #2 now meets a dead connection
+            refused = in_flight.result(timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["code"] == "database_unavailable"
+
+            resumed = client.post("/v1/runs", json=TURN, headers=KEY)  # the pool is new
+            assert resumed.status_code == 200, resumed.text
+            assert resumed.json()["status"] == "complete"
+            history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
+        assert tool_server.count("slow_post") == 1
+        results = [m for m in history if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+        assert len(results) == 1
+        assert json.loads(results[0]["content"])["kind"] == "tool-durability-error"
+        assert sum(1 for m in history if m["role"] == "user") == 1
+    finally:
+        server.kill()

@@ -196,6 +196,7 @@ class SqliteJournalStore:
             }
             for model in (models.Session, models.Run, models.Message)
         }
+        self._timestamp = self._bind["session"]["updated_at"]  # how a UTCDateTime is stored
 
     async def write(self, write: JournalWrite) -> None:
         try:
@@ -215,7 +216,7 @@ class SqliteJournalStore:
 
     def _statements(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
         """Run the write's statements; how many it took."""
-        now = self._bind["run"]["created_at"](write.now)
+        now = self._timestamp(write.now)
         claim = {
             "session_id": write.session_id,
             "expected": write.expected,

@@ -17,6 +17,7 @@ from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions
 from app.db.journal_store import JournalStore, PostgresJournalStore
 from app.db.session import Database, InlineTransactor
+from app.services.ownership import Ownership
 
 FLOOR_TABLE = Table(
     "bench_commit_floor",
@@ -32,15 +33,17 @@ WRITES = ("INSERT", "UPDATE", "DELETE")
 class TransactionCounter:
     """Counts COMMITs, writing transactions, statements and pool checkouts: SQLAlchemy's on
     the read engine, and those the journal store reports for the writes it sends on the
-    driver itself."""
+    driver itself; and the statements ownership sends on its own connection."""
 
     db: Database
     store: JournalStore
+    ownership: Ownership
     commits: int = 0
     writing: int = 0
     statements: int = 0
     checkouts: int = 0
     _dirty: set[int] = field(default_factory=set)
+    _lock_statements: int = 0
 
     def _on_commit(self, conn: Any) -> None:
         self.commits += 1
@@ -86,6 +89,7 @@ class TransactionCounter:
         for target, name, fn in self._listeners():
             event.listen(target, name, fn)
         self.store.observers.append(self._on_store_commit)
+        self._lock_statements = self.ownership.statements
         return self
 
     def __exit__(
@@ -97,10 +101,16 @@ class TransactionCounter:
         for target, name, fn in self._listeners():
             event.remove(target, name, fn)
         self.store.observers.remove(self._on_store_commit)
+        self._lock_statements = self.ownership.statements - self._lock_statements
 
     def result(self) -> Transactions:
         return Transactions(
-            self.commits, self.writing, self.commits - self.writing, self.statements, self.checkouts
+            self.commits,
+            self.writing,
+            self.commits - self.writing,
+            self.statements,
+            self.checkouts,
+            self._lock_statements,
         )
 
 

@@ -115,5 +115,5 @@ def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> Htt
         finally:
             server.stop()
     expected = 2 * (options.warmup + options.sessions) * options.steps
-    check_side_effects(expected)
-    return HttpFigures(sessions_of(stateless, durable, options.steps), rss, expected)
+    side_effects = check_side_effects(expected)
+    return HttpFigures(sessions_of(stateless, durable, options.steps), rss, side_effects)

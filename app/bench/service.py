@@ -19,6 +19,7 @@ from app.bench.report import (
     LongSession,
     ServiceFigures,
     Sessions,
+    SideEffectCount,
     Stats,
     Throughput,
     Transactions,
@@ -135,7 +136,7 @@ def sessions_of(stateless: list[float], durable: list[float], steps: int) -> Ses
 
 async def count_transactions(rig: Rig, steps: int) -> Transactions:
     """What one durable session asks of the database."""
-    with TransactionCounter(rig.db, rig.service.store) as counter:
+    with TransactionCounter(rig.db, rig.service.store, rig.ownership) as counter:
         await rig.session(durable=True, steps=steps)
     return counter.result()
 
@@ -180,14 +181,16 @@ async def long_session(rig: Rig, database_url: str, steps: int) -> LongSession:
     )
 
 
-def check_side_effects(expected: int) -> None:
-    """Fail loudly unless post_slack ran `expected` times, each call exactly once."""
-    repeated = SLACK.repeated
-    if SLACK.total != expected or repeated:
+def check_side_effects(expected: int) -> SideEffectCount:
+    """post_slack's count since SLACK was reset; fails loudly unless each of the `expected`
+    calls ran exactly once."""
+    count = SideEffectCount(expected, SLACK.total, len(SLACK.repeated))
+    if not count.exactly_once:
         raise BenchError(
-            f"post_slack ran {SLACK.total} times for {expected} expected calls;"
-            f" calls that ran more than once: {len(repeated)}"
+            f"post_slack ran {count.counted} times for {expected} expected calls;"
+            f" calls that ran more than once: {count.repeated}"
         )
+    return count
 
 
 async def measure_service(database_url: str, options: BenchOptions) -> tuple[ServiceFigures, str]:
@@ -203,7 +206,7 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         version = await database_version(rig.db)
     finally:
         await rig.close()
-    check_side_effects(rig.expected_effects)
+    side_effects = check_side_effects(rig.expected_effects)
     overhead = sessions.overhead_ms_per_step * options.steps
     figures = ServiceFigures(
         sessions=sessions,
@@ -211,6 +214,6 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         throughput=rate,
         long_session=long,
         commit_floor=CommitFloor(2 * options.steps + 1, floor, overhead / floor.median),
-        side_effects=rig.expected_effects,
+        side_effects=side_effects,
     )
     return figures, version

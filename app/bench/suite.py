@@ -29,7 +29,7 @@ def run_bench(options: BenchOptions) -> Report:
         upgrade(url)
         service, version = asyncio.run(measure_service(url, options))
         http = measure_http(url, options, workdir) if options.http else None
-    expected = service.side_effects + (http.side_effects if http else 0)
+    side_effects = service.side_effects + http.side_effects if http else service.side_effects
     report = Report(
         scenario={
             "steps": options.steps,
@@ -52,7 +52,7 @@ def run_bench(options: BenchOptions) -> Report:
         service=service,
         http=http,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        side_effects={"expected": expected, "counted": expected, "exactly_once": True},
+        side_effects=side_effects.as_dict(),
     )
     report.targets = targets(report)
     return report

@@ -103,6 +103,9 @@ class ActiveRuns:
 
 class Ownership(Protocol):
     active: ActiveRuns
+    # Statements sent to the database for sessions outside the pool (PostgreSQL: take,
+    # release and take over advisory locks), each a transaction of its own; the bench counts.
+    statements: int
 
     def hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """Own the session for the block, or raise SessionBusy (active_run_id may be None).
@@ -147,6 +150,7 @@ class LocalOwnership:
 
     def __init__(self) -> None:
         self.active = ActiveRuns()
+        self.statements = 0  # none: the lock is this process's memory
 
     @asynccontextmanager
     async def hold(self, session_id: str) -> AsyncIterator[None]:
@@ -193,6 +197,7 @@ class PostgresOwnership:
         self._io = asyncio.Lock()  # one query at a time on the lock connection
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
+        self.statements = 0
 
     async def start(self) -> None:
         try:
@@ -291,6 +296,7 @@ class PostgresOwnership:
         await self._query("SELECT 1")
 
     async def _query(self, sql: str, *args: Any) -> Any:
+        self.statements += 1
         async with self._io:
             return await (await self._connection()).fetchval(sql, *args)
 
@@ -304,6 +310,7 @@ class PostgresOwnership:
     async def _holder(self, key: int) -> tuple[int, float] | None:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
         hi, lo = _key_parts(key)
+        self.statements += 1
         async with self._io:
             row = await (await self._connection()).fetchrow(
                 """

@@ -105,6 +105,7 @@ def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureR
     side_effects = report["side_effects"]
     assert side_effects["exactly_once"] is True
     assert side_effects["counted"] == side_effects["expected"] > 0
+    assert side_effects["repeated"] == 0
 
     service = report["service"]
     for figures in (service["sessions"], report["http"]["sessions"]):
@@ -113,6 +114,8 @@ def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureR
     transactions = service["transactions"]
     assert transactions["writing"] == WRITING_TRANSACTIONS
     assert transactions["total"] == transactions["writing"] + transactions["read_only"]
+    # PostgreSQL takes and releases the session's advisory lock; SQLite's lock is in memory.
+    assert transactions["lock_statements"] == (0 if backend == "sqlite" else 2)
     assert service["throughput"]["sessions"] == 2
     long = service["long_session"]
     assert long["steps"] == 4 and long["messages"] == messages_per_session(4)

@@ -11,7 +11,8 @@ Every write claims the session's next `seq` values with a compare-and-set on
 `session.message_count` (or creates the session) under the ownership fence
 (services/ownership.py), and only a successful claim inserts anything. A runner that lost the
 session, or a second writer, therefore writes nothing and gets SessionConflict; a repeated
-write conflicts on `(session_id, seq)` instead of duplicating.
+write conflicts on `(session_key, seq)` instead of duplicating. Messages name their session
+by its `key` (app/db/models.py), which the write finds from the session's id.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:
     }
 
 
-# The columns each write inserts.
-SESSION_COLUMNS = _typed(models.Session, (c.name for c in models.Session.__table__.columns))
+# The columns each write inserts (a session's `key` is the database's to number).
+SESSION_COLUMNS = _typed(
+    models.Session, (c.name for c in models.Session.__table__.columns if c.name != "key")
+)
 RUN_COLUMNS = _typed(
     models.Run,
     (
@@ -122,7 +125,7 @@ MESSAGE_COLUMNS = _typed(
     (
         c.name
         for c in models.Message.__table__.columns
-        if c.name not in ("session_id", "created_at")
+        if c.name not in ("session_key", "created_at")
     ),
 )
 JSON_COLUMNS = frozenset(
@@ -169,8 +172,9 @@ class SqliteJournalStore:
     so rows read back exactly as the ORM would have written them."""
 
     INSERT_MESSAGE = (
-        f"INSERT INTO message (session_id, {', '.join(MESSAGE_COLUMNS)}, created_at)"
-        f" VALUES (:session_id, {', '.join(f':{c}' for c in MESSAGE_COLUMNS)}, :created_at)"
+        f"INSERT INTO message (session_key, {', '.join(MESSAGE_COLUMNS)}, created_at)"
+        " VALUES ((SELECT key FROM session WHERE id = :session_id),"
+        f" {', '.join(f':{c}' for c in MESSAGE_COLUMNS)}, :created_at)"
     )
     INSERT_RUN = (
         f"INSERT INTO run ({', '.join(RUN_COLUMNS)})"
@@ -232,9 +236,10 @@ class SqliteJournalStore:
         statements = 1
         if write.messages:
             rows = [
-                self._values(
-                    "message", "", message_to_row(m, session_id=write.session_id, now=write.now)
-                )
+                {
+                    "session_id": write.session_id,
+                    **self._values("message", "", message_to_row(m, now=write.now)),
+                }
                 for m in write.messages
             ]
             driver.executemany(self.INSERT_MESSAGE, rows)
@@ -375,13 +380,13 @@ class PostgresJournalStore:
 
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)
-        ctes = [f"claim AS ({claim} RETURNING id)"]
+        ctes = [f"claim AS ({claim} RETURNING key)"]
         if shape.messages:
             columns = ", ".join(MESSAGE_COLUMNS)
             typed = ", ".join(f"{c} {t}" for c, t in MESSAGE_COLUMNS.items())
             ctes.append(
-                f"messages AS (INSERT INTO message (session_id, {columns}, created_at)"
-                f" SELECT claim.id, {', '.join(f'm.{c}' for c in MESSAGE_COLUMNS)}, :now"
+                f"messages AS (INSERT INTO message (session_key, {columns}, created_at)"
+                f" SELECT claim.key, {', '.join(f'm.{c}' for c in MESSAGE_COLUMNS)}, :now"
                 f" FROM claim, json_to_recordset(CAST(:messages AS json)) AS m({typed}))"
             )
         if shape.new_run:
@@ -415,10 +420,7 @@ class PostgresJournalStore:
         for column, value in (write.run_values or {}).items():
             params[f"u_{column}"] = _value(column, value)
         if write.messages:
-            rows = [
-                message_to_row(m, session_id=write.session_id, now=write.now)
-                for m in write.messages
-            ]
+            rows = [message_to_row(m, now=write.now) for m in write.messages]
             params["messages"] = json.dumps([{c: row[c] for c in MESSAGE_COLUMNS} for row in rows])
         return params
 

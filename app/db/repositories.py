@@ -17,10 +17,10 @@ from app.db import models
 from app.domain import Message, Role, RunStatus, ToolCall
 
 
-def message_to_row(message: Message, *, session_id: str, now: datetime) -> dict[str, Any]:
-    """The insert parameters of one history message (its `seq` and `run_id` must be set)."""
+def message_to_row(message: Message, *, now: datetime) -> dict[str, Any]:
+    """The insert parameters of one history message (its `seq` and `run_id` must be set),
+    but for its session, which each store names in its own way."""
     return {
-        "session_id": session_id,
         "seq": message.seq,
         "role": message.role.value,
         "content": message.content,
@@ -56,7 +56,7 @@ class SessionRepository:
 
     async def get(self, session_id: str) -> models.Session | None:
         """The session row, or None."""
-        return await self._s.get(models.Session, session_id)
+        return await self._s.scalar(select(models.Session).where(models.Session.id == session_id))
 
     def list_query(
         self,
@@ -93,24 +93,26 @@ class SessionRepository:
 
 
 class MessageRepository:
+    """A session's messages, by the session's `key`."""
+
     def __init__(self, session: AsyncSession) -> None:
         self._s = session
 
-    async def history(self, session_id: str) -> list[Message]:
+    async def history(self, session_key: int) -> list[Message]:
         """The whole history in `seq` order."""
         rows = await self._s.scalars(
             select(models.Message)
-            .where(models.Message.session_id == session_id)
+            .where(models.Message.session_key == session_key)
             .order_by(models.Message.seq)
         )
         return [row_to_message(r) for r in rows]
 
-    async def last_tool_step(self, session_id: str) -> list[Message]:
+    async def last_tool_step(self, session_key: int) -> list[Message]:
         """The last assistant message that asked for tools and everything after it."""
         last = (
             select(func.max(models.Message.seq))
             .where(
-                models.Message.session_id == session_id,
+                models.Message.session_key == session_key,
                 models.Message.role == Role.ASSISTANT.value,
                 models.Message.tool_calls.is_not(None),
             )
@@ -118,27 +120,27 @@ class MessageRepository:
         )
         rows = await self._s.scalars(
             select(models.Message)
-            .where(models.Message.session_id == session_id, models.Message.seq >= last)
+            .where(models.Message.session_key == session_key, models.Message.seq >= last)
             .order_by(models.Message.seq)
         )
         return [row_to_message(r) for r in rows]
 
     async def page(
-        self, session_id: str, *, after_seq: int | None, limit: int
+        self, session_key: int, *, after_seq: int | None, limit: int
     ) -> Sequence[models.Message]:
         """One page of the history, in order."""
-        query = select(models.Message).where(models.Message.session_id == session_id)
+        query = select(models.Message).where(models.Message.session_key == session_key)
         if after_seq is not None:
             query = query.where(models.Message.seq > after_seq)
         return (await self._s.scalars(query.order_by(models.Message.seq).limit(limit))).all()
 
-    async def for_run(self, session_id: str, run_id: str) -> Sequence[models.Message]:
+    async def for_run(self, session_key: int, run_id: str) -> Sequence[models.Message]:
         """The messages a run stored, in order (a scan of its session's history: run_id has no
         index of its own, which would cost every message row more than this read saves)."""
         return (
             await self._s.scalars(
                 select(models.Message)
-                .where(models.Message.session_id == session_id, models.Message.run_id == run_id)
+                .where(models.Message.session_key == session_key, models.Message.run_id == run_id)
                 .order_by(models.Message.seq)
             )
         ).all()
@@ -208,6 +210,7 @@ class RunRepository:
 
 def delete_session(conn: Connection, *, session_id: str) -> None:
     """Delete the session with its runs and messages (a Transactor body)."""
-    conn.execute(delete(models.Message).where(models.Message.session_id == session_id))
+    key = select(models.Session.key).where(models.Session.id == session_id).scalar_subquery()
+    conn.execute(delete(models.Message).where(models.Message.session_key == key))
     conn.execute(delete(models.Run).where(models.Run.session_id == session_id))
     conn.execute(delete(models.Session).where(models.Session.id == session_id))

@@ -221,7 +221,7 @@ class RunService:
             turn.session_exists = True
             turn.stored_count = row.message_count
             runs = RunRepository(session)
-            history = await MessageRepository(session).history(row.id)
+            history = await MessageRepository(session).history(row.key)
             unfinished = await runs.unfinished(row.id)
             earlier = await self._keyed(runs, row.id, turn)
             overtaken = earlier is not None and await runs.started_after(earlier)
@@ -255,7 +255,7 @@ class RunService:
             if run is None or owner is None or owner.tenant_id != tenant_id:
                 raise RunNotFound(run_id)
             check_session_access(owner, tenant_id=tenant_id, user_id=user_id, reading=True)
-            rows = await MessageRepository(session).for_run(run.session_id, run_id)
+            rows = await MessageRepository(session).for_run(owner.key, run_id)
         held = await self.ownership.is_held(run.session_id)
         summary = run_summary(run, held=held)
         messages = [MessageRead.of(row_to_message(r)) for r in rows]

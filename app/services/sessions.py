@@ -38,7 +38,7 @@ class SessionService:
         """One session with its status."""
         async with self.sessions.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
-            return _session_read(row, await self._status(session, session_id))
+            return _session_read(row, await self._status(session, row))
 
     async def list(
         self,
@@ -58,7 +58,7 @@ class SessionService:
                 after=decode_cursor(after) if after else None,
                 limit=limit + 1,
             )
-            page = [_session_read(r, await self._status(session, r.id)) for r in rows[:limit]]
+            page = [_session_read(r, await self._status(session, r)) for r in rows[:limit]]
         last = rows[limit - 1] if len(rows) > limit else None
         return Page(data=page, next_after=encode_cursor(last.updated_at, last.id) if last else None)
 
@@ -74,9 +74,9 @@ class SessionService:
         """The history in order."""
         after_seq = decode_seq(after) if after is not None else None
         async with self.sessions.begin() as session:
-            await self._visible(session, session_id, tenant_id, user_id)
+            row = await self._visible(session, session_id, tenant_id, user_id)
             rows = await MessageRepository(session).page(
-                session_id, after_seq=after_seq, limit=limit + 1
+                row.key, after_seq=after_seq, limit=limit + 1
             )
         data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
         more = len(rows) > limit
@@ -112,10 +112,10 @@ class SessionService:
             # Every write goes through db.writes (app/db/session.py, InlineTransactor).
             await self.db.writes.transact(partial(delete_session, session_id=session_id))
 
-    async def _status(self, session: AsyncSession, session_id: str) -> SessionStatus:
-        if await self.ownership.is_held(session_id):
+    async def _status(self, session: AsyncSession, row: models.Session) -> SessionStatus:
+        if await self.ownership.is_held(row.id):
             return SessionStatus.RUNNING
-        _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(session_id))
+        _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(row.key))
         return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
 
     @staticmethod

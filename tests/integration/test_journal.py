@@ -119,7 +119,7 @@ class Stored:
 async def read(db: Database, *run_ids: str, session_id: str = SESSION) -> Stored:
     async with db.sessions() as session:
         row = await SessionRepository(session).get(session_id)
-        history = await MessageRepository(session).history(session_id)
+        history = await MessageRepository(session).history(row.key) if row else []
         runs = {}
         for run_id in run_ids:
             run = await RunRepository(session).get(run_id)

@@ -129,14 +129,59 @@ def test_the_message_key_migration_keeps_every_message_both_ways(empty_url: str)
     )
     history = "SELECT seq, content FROM message WHERE session_id = 's' ORDER BY seq"
 
-    upgrade(empty_url)
+    upgrade(empty_url, "c4a7e2b9d013")
     assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
-    assert inspect_schema(empty_url)[1] == []
 
     downgrade(empty_url, before)
     assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
     ids = [row[0] for row in _sql(empty_url, "SELECT id FROM message")]
     assert len(set(ids)) == 3 and None not in ids
+
+
+def test_the_session_key_migration_keeps_every_message_with_its_session(empty_url: str) -> None:
+    before = "c4a7e2b9d013"  # message rows still carry session_id
+    upgrade(empty_url, before)
+    _sql(
+        empty_url,
+        *(
+            "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
+            f" VALUES ('{sid}', 'main', '{{}}', 2, '2026-11-29 00:00:00', '2026-11-29 00:00:00')"
+            for sid in ("b", "a")
+        ),
+        "INSERT INTO run (id, session_id, agent, status, iterations, input_tokens,"
+        " output_tokens, metadata, created_at)"
+        " VALUES ('r', 'a', 'main', 'complete', 1, 0, 0, '{}', '2026-11-29 00:00:00')",
+        *(
+            "INSERT INTO message (session_id, seq, role, content, is_error, created_at)"
+            f" VALUES ('{sid}', {seq}, 'user', '{sid}{seq}', false, '2026-11-29 00:00:00')"
+            for sid in ("a", "b")
+            for seq in (1, 2)
+        ),
+    )
+    old_history = "SELECT session_id, seq, content FROM message ORDER BY session_id, seq"
+    stored = [("a", 1, "a1"), ("a", 2, "a2"), ("b", 1, "b1"), ("b", 2, "b2")]
+    assert _sql(empty_url, old_history) == stored
+
+    upgrade(empty_url)
+    assert inspect_schema(empty_url)[1] == []
+    history = (
+        "SELECT s.id, m.seq, m.content FROM message m JOIN session s ON s.key = m.session_key"
+        " ORDER BY s.id, m.seq"
+    )
+    assert _sql(empty_url, history) == stored
+    # A new session is numbered after the existing ones; deleting one takes its messages.
+    _sql(
+        empty_url,
+        "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
+        " VALUES ('c', 'main', '{}', 0, '2026-11-29 00:00:00', '2026-11-29 00:00:00')",
+    )
+    keys = dict(_sql(empty_url, "SELECT id, key FROM session"))
+    assert len(set(keys.values())) == 3 and keys["c"] > max(keys["a"], keys["b"])
+    _sql(empty_url, "DELETE FROM session WHERE id = 'c'")
+
+    downgrade(empty_url, before)
+    assert _sql(empty_url, old_history) == stored
+    assert _sql(empty_url, "SELECT id, session_id FROM run") == [("r", "a")]
 
 
 def test_concurrent_upgrades_in_threads_both_succeed(empty_url: str) -> None:

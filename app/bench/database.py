@@ -43,7 +43,8 @@ class TransactionCounter:
     statements: int = 0
     checkouts: int = 0
     _dirty: set[int] = field(default_factory=set)
-    _lock_statements: int = 0
+    _locks_before: int = 0
+    _locks: int = 0
 
     def _on_commit(self, conn: Any) -> None:
         self.commits += 1
@@ -89,7 +90,7 @@ class TransactionCounter:
         for target, name, fn in self._listeners():
             event.listen(target, name, fn)
         self.store.observers.append(self._on_store_commit)
-        self._lock_statements = self.ownership.statements
+        self._locks_before = self.ownership.statements
         return self
 
     def __exit__(
@@ -101,7 +102,7 @@ class TransactionCounter:
         for target, name, fn in self._listeners():
             event.remove(target, name, fn)
         self.store.observers.remove(self._on_store_commit)
-        self._lock_statements = self.ownership.statements - self._lock_statements
+        self._locks = self.ownership.statements - self._locks_before
 
     def result(self) -> Transactions:
         return Transactions(
@@ -110,7 +111,7 @@ class TransactionCounter:
             self.commits - self.writing,
             self.statements,
             self.checkouts,
-            self._lock_statements,
+            self._locks,
         )
 
 

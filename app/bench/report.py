@@ -176,12 +176,18 @@ def targets(report: Report) -> list[Target]:
     byte_limit = BYTES_TARGET_PER_200_STEPS * long.steps / 200
     rate = service.throughput.sessions_per_s
     floor = service.commit_floor
+    overheads = [("durable overhead", overhead)]
+    if report.http is not None:  # the same target, through a real server
+        overheads.append(("durable overhead, HTTP", report.http.sessions.overhead_ms_per_step))
     return [
-        Target(
-            "durable overhead",
-            f"<= {limit} ms/step" if limit else "-",
-            f"{overhead:.3f} ms/step",
-            overhead <= limit if limit else None,
+        *(
+            Target(
+                name,
+                f"<= {limit} ms/step" if limit else "-",
+                f"{value:.3f} ms/step",
+                value <= limit if limit else None,
+            )
+            for name, value in overheads
         ),
         Target(
             f"transactions per {steps}-step session",

@@ -34,7 +34,7 @@ from sqlalchemy.util import greenlet_spawn
 from app.db import models
 from app.db.base import Base
 from app.db.repositories import message_to_row
-from app.db.session import Database, InlineTransactor
+from app.db.session import PG_CONNECTION_ERRORS, Database, InlineTransactor
 from app.domain import Message, RunStatus
 from app.errors import DatabaseUnavailable, SessionConflict
 
@@ -265,14 +265,6 @@ class SqliteJournalStore:
         return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}
 
 
-# Errors that mean the connection, not the statement, failed (class 57 is the server ending
-# it: shutdown, terminated backend).
-CONNECTION_ERRORS = (
-    asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError,
-    asyncpg.InterfaceError,
-    OSError,
-)
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
 
 
@@ -361,11 +353,11 @@ class PostgresJournalStore:
                     value = await raw.fetchval(sql, *args)
                     before_commit()
         except BaseException as exc:
-            if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, CONNECTION_ERRORS):
+            if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
                 await greenlet_spawn(pooled.close)  # the statement failed, not the connection
                 raise
             await greenlet_spawn(pooled.invalidate, exc)
-            if isinstance(exc, CONNECTION_ERRORS):
+            if isinstance(exc, PG_CONNECTION_ERRORS):
                 # As SQLAlchemy does on a disconnect: the pool's other connections are as old
                 # as this one, so none is reused.
                 await self.engine.dispose()

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import asyncpg
 from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -27,6 +28,27 @@ from app.errors import ConfigError
 
 MEMORY_URL = "memory://"
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+# PostgreSQL errors that mean the connection, not the statement, failed (class 57 is the
+# server ending it: shutdown, terminated backend). When the server ends a connection between
+# statements, asyncpg may instead find its protocol in a state it cannot leave and raise
+# InternalClientError ("cannot switch to state …"); that connection is as dead.
+PG_CONNECTION_ERRORS = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
+
+
+def _configure_postgres(engine: Engine) -> None:
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> None:
+        # SQLAlchemy knows a lost connection by asyncpg's own verdict (is it closed?), which
+        # lags the errors above: without this the connection would go back to the pool.
+        if isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS):
+            context.is_disconnect = True
 
 
 def async_url(database_url: str) -> str:
@@ -259,6 +281,8 @@ class Database:
             }
         engine = create_async_engine(url, **kwargs)
         writer: Transactor = AsyncTransactor(engine)
+        if engine.dialect.name == "postgresql":
+            _configure_postgres(engine.sync_engine)
         if engine.dialect.name == "sqlite":
             # Reads only: every write goes through `writes`, so a read never takes the write
             # lock and never makes the loop-thread writer wait (see InlineTransactor).

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from app.db.session import PG_CONNECTION_ERRORS
 from app.errors import SessionBusy, SessionConflict
 
 log = logging.getLogger(__name__)
@@ -267,12 +268,16 @@ class PostgresOwnership:
                     await conn.fetchval("SELECT 1", timeout=self._heartbeat_s * 2)
                 self._last_beat = time.monotonic()
             except Exception as exc:
-                # Every lock died with the connection; runs in flight fail their next fence.
-                if self._conn is not None:
-                    log.warning("ownership connection lost (%s)", type(exc).__name__)
-                    self._conn.terminate()
-                    self._conn = None
-                    self._held.clear()
+                self._drop(exc)
+
+    def _drop(self, exc: BaseException) -> None:
+        """Close the lock connection after a statement or heartbeat on it failed: every lock
+        died with it, so runs in flight fail their next fence."""
+        if self._conn is not None:
+            log.warning("ownership connection lost (%s)", type(exc).__name__)
+            self._conn.terminate()
+            self._conn = None
+            self._held.clear()
 
     async def _connection(self) -> asyncpg.Connection:
         """The lock connection, re-opened on demand (call with `_io` held).
@@ -295,10 +300,17 @@ class PostgresOwnership:
         """Raise ConnectionError unless the lock connection answers."""
         await self._query("SELECT 1")
 
-    async def _query(self, sql: str, *args: Any) -> Any:
+    async def _query(self, sql: str, *args: Any, row: bool = False) -> Any:
+        """One statement on the lock connection: its value (or its row, if any); a failed
+        connection is dropped and reported as ConnectionError (503)."""
         self.statements += 1
         async with self._io:
-            return await (await self._connection()).fetchval(sql, *args)
+            conn = await self._connection()
+            try:
+                return await (conn.fetchrow if row else conn.fetchval)(sql, *args)
+            except PG_CONNECTION_ERRORS as exc:
+                self._drop(exc)
+                raise ConnectionError("the ownership connection is down") from exc
 
     async def _try_lock(self, key: int) -> bool:
         return bool(await self._query("SELECT pg_try_advisory_lock($1)", key))
@@ -310,19 +322,18 @@ class PostgresOwnership:
     async def _holder(self, key: int) -> tuple[int, float] | None:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
         hi, lo = _key_parts(key)
-        self.statements += 1
-        async with self._io:
-            row = await (await self._connection()).fetchrow(
-                """
-                SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
-                FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-                WHERE l.locktype = 'advisory' AND l.granted
-                  AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
-                  AND l.objsubid = 1
-                """,
-                hi,
-                lo,
-            )
+        row = await self._query(
+            """
+            SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
+            FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+            WHERE l.locktype = 'advisory' AND l.granted
+              AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+              AND l.objsubid = 1
+            """,
+            hi,
+            lo,
+            row=True,
+        )
         if row is None:
             return None
         return int(row["pid"]), float(row["idle_s"] or 0.0)

@@ -83,22 +83,25 @@ class SideEffects:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
+        self._total = 0  # kept, not summed: the tool's cost must not grow with the calls
 
     def record(self, key: str) -> int:
         """Count one run of the call `key`; the total so far."""
         with self._lock:
             self._calls[key] += 1
-            return self._calls.total()
+            self._total += 1
+            return self._total
 
     def reset(self) -> None:
         """Forget every call."""
         with self._lock:
             self._calls.clear()
+            self._total = 0
 
     @property
     def total(self) -> int:
         with self._lock:
-            return self._calls.total()
+            return self._total
 
     @property
     def repeated(self) -> list[str]:

@@ -241,7 +241,10 @@ def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
 
 @dataclass
 class Database:
-    """An engine, its sessionmaker and what kind of store it is."""
+    """An engine, its sessionmaker for reads, its way of writing and what kind of store it is.
+
+    `sessions` only ever read: the journal's writes go through app/db/journal_store.py and
+    every other write through `writes`."""
 
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
@@ -291,9 +294,14 @@ class Database:
             )
             writer = inline = InlineTransactor(database_url)
             await inline.open()
+        reads = engine
+        if engine.dialect.name == "postgresql":
+            # Reads in autocommit: at READ COMMITTED every statement takes its own snapshot
+            # anyway, so BEGIN and COMMIT would only add two round trips to each read.
+            reads = engine.execution_options(isolation_level="AUTOCOMMIT")
         db = cls(
             engine,
-            async_sessionmaker(engine, expire_on_commit=False),
+            async_sessionmaker(reads, expire_on_commit=False),
             durable=not memory,
             writes=writer,
         )

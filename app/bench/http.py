@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -88,6 +89,42 @@ def _session(client: httpx.Client, *, durable: bool, steps: int) -> float:
     return elapsed
 
 
+class ModelCalls:
+    """Seconds and count of the server's model calls (its own metric, from /metrics), summed
+    per kind of session: a model call touches no database, so a difference between the kinds
+    is what the machine does to the server, not what durability costs."""
+
+    def __init__(self, client: httpx.Client) -> None:
+        self._client = client
+        self._totals = {False: [0.0, 0.0], True: [0.0, 0.0]}
+
+    def _read(self) -> tuple[float, float]:
+        text = self._client.get("/metrics").text
+        seconds = count = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name == "agent_runner_model_call_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith("_sum"):
+                        seconds += sample.value
+                    elif sample.name.endswith("_count"):
+                        count += sample.value
+        return seconds, count
+
+    def session(self, *, durable: bool, steps: int) -> float:
+        """Time one session (see `_session`) and add its model calls to its kind's."""
+        seconds, count = self._read()
+        elapsed = _session(self._client, durable=durable, steps=steps)
+        after_seconds, after_count = self._read()
+        totals = self._totals[durable]
+        totals[0] += after_seconds - seconds
+        totals[1] += after_count - count
+        return elapsed
+
+    def mean_ms(self, *, durable: bool) -> float:
+        seconds, count = self._totals[durable]
+        return 1000 * seconds / count if count else 0.0
+
+
 def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> HttpFigures:
     """Stateless and durable sessions through HTTP, interleaved, after warm-up."""
     SLACK.reset()
@@ -105,15 +142,22 @@ def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> Htt
             raise BenchError(f"agent-runner serve did not start: {exc}") from exc
         try:
             with httpx.Client(base_url=server.url, timeout=120) as client:
-                for index in range(options.warmup + options.sessions):
-                    a = _session(client, durable=False, steps=options.steps)
-                    b = _session(client, durable=True, steps=options.steps)
-                    if index >= options.warmup:
-                        stateless.append(a)
-                        durable.append(b)
+                for _ in range(options.warmup):
+                    _session(client, durable=False, steps=options.steps)
+                    _session(client, durable=True, steps=options.steps)
+                calls = ModelCalls(client)
+                for _ in range(options.sessions):
+                    stateless.append(calls.session(durable=False, steps=options.steps))
+                    durable.append(calls.session(durable=True, steps=options.steps))
             rss = server.peak_rss_mb()
         finally:
             server.stop()
     expected = 2 * (options.warmup + options.sessions) * options.steps
     side_effects = check_side_effects(expected)
-    return HttpFigures(sessions_of(stateless, durable, options.steps), rss, side_effects)
+    return HttpFigures(
+        sessions_of(stateless, durable, options.steps),
+        rss,
+        side_effects,
+        model_call_ms_stateless=calls.mean_ms(durable=False),
+        model_call_ms_durable=calls.mean_ms(durable=True),
+    )

@@ -139,6 +139,9 @@ class HttpFigures:
     sessions: Sessions
     server_peak_rss_mb: float | None
     side_effects: SideEffectCount
+    # The server's mean model call in each kind of timed session (see http.ModelCalls).
+    model_call_ms_stateless: float
+    model_call_ms_durable: float
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,11 @@ def render(report: Report) -> str:
             "",
             "HTTP (agent-runner serve, anthropic SDK, local fake model, HTTP tools)",
             *_session_rows(http.sessions),
+            _row(
+                "model call as the server times it, ms",
+                f"{http.model_call_ms_stateless:.2f} / {http.model_call_ms_durable:.2f}",
+                "(stateless / durable sessions; it touches no database)",
+            ),
             _row("server peak RSS, MB", rss),
         ]
     txns, rate, long, floor = (

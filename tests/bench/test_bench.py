@@ -111,6 +111,9 @@ def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureR
     for figures in (service["sessions"], report["http"]["sessions"]):
         assert figures["stateless_ms"]["n"] == figures["durable_ms"]["n"] == 3
         assert isinstance(figures["overhead_ms_per_step"], float)
+    # The server timed its model calls in both kinds of timed session.
+    assert report["http"]["model_call_ms_stateless"] > 0
+    assert report["http"]["model_call_ms_durable"] > 0
     transactions = service["transactions"]
     assert transactions["writing"] == WRITING_TRANSACTIONS
     assert transactions["total"] == transactions["writing"] + transactions["read_only"]

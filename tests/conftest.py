@@ -12,7 +12,7 @@ import asyncio
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -60,6 +60,12 @@ def pg_template() -> Iterator[str]:
     upgrade(_pg_url(name))
     yield name
     _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_admin() -> Callable[..., None]:
+    """Run statements on the test PostgreSQL server as its admin (CREATE/DROP DATABASE)."""
+    return _pg_admin
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,10 @@ def _configure_postgres(engine: Engine) -> None:
     def _on_error(context: ExceptionContext) -> None:
         # SQLAlchemy knows a lost connection by asyncpg's own verdict (is it closed?), which
         # lags the errors above: without this the connection would go back to the pool.
-        if isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS):
+        # A connection that could not be made at all (no `connection`: the database was
+        # dropped, too many clients, the server is starting) is as much an outage.
+        lost = isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS)
+        if lost or context.connection is None:
             context.is_disconnect = True
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
@@ -117,3 +118,35 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
         "/readyz answered 200 but the next durable run was refused: "
         f"{first_after.status_code} {first_after.text}"
     )
+
+
+def test_a_database_that_is_gone_answers_503_on_every_route(
+    database_url: str, tmp_path: Path, pg_admin: Callable[..., None]
+) -> None:
+    # Every new connection fails (the database no longer exists): not a lost connection
+    # but an outage all the same, on reads and deletes as on runs.
+    server = ServerProcess(database_url=database_url, log_path=tmp_path / "server.log")
+    with server, server.client(timeout=30) as client:
+        body = {"agent": "echo", "message": "hi", "session_id": "gone-1"}
+        ran = client.post("/v1/runs", json=body)
+        assert ran.status_code == 200, ran.text
+        run_id = ran.json()["run_id"]
+
+        pg_admin(f'DROP DATABASE "{make_url(database_url).database}" WITH (FORCE)')
+        requests = [
+            ("GET", "/v1/sessions"),
+            ("GET", "/v1/sessions"),  # again: after the pool has been replaced
+            ("GET", "/v1/sessions/gone-1"),
+            ("GET", "/v1/sessions/gone-1/messages"),
+            ("GET", "/v1/sessions/gone-1/runs"),
+            ("GET", f"/v1/runs/{run_id}"),
+            ("DELETE", "/v1/sessions/gone-1"),
+            ("POST", "/v1/runs"),
+            ("GET", "/readyz"),
+        ]
+        for method, path in requests:
+            with timed(10, f"{method} {path} without a database"):
+                response = client.request(method, path, json=body if method == "POST" else None)
+            assert response.status_code == 503, f"{method} {path}: {response.text}"
+            assert _problem_code(response) == "database_unavailable", f"{method} {path}"
+        assert client.get("/v1/agents").status_code == 200  # needs no database

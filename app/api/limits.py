@@ -17,7 +17,7 @@ class BodySizeLimit:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if scope["type"] != "http":  # every method: a body is a body, even on GET or DELETE
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")

@@ -12,7 +12,6 @@ from app.domain import Message, RunStatus, SessionStatus
 from app.tools.base import AgentConfig, Tool
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-MAX_MESSAGE_CHARS = 262_144  # 256 Ki characters; the whole body is capped at 1 MiB anyway
 
 
 class RunCreate(BaseModel):
@@ -21,7 +20,8 @@ class RunCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     agent: str = Field(min_length=1, max_length=64)
-    message: str = Field(min_length=1, max_length=MAX_MESSAGE_CHARS)
+    # No length limit of its own: the 1 MiB body limit (app/api/limits.py) is the contract's.
+    message: str = Field(min_length=1)
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     user_id: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] | None = None

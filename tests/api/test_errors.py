@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from app.schemas.runs import MAX_MESSAGE_CHARS
 from tests.api.helpers import (
     Json,
     assert_all,
@@ -145,16 +144,16 @@ async def test_unknown_agent(client: httpx.AsyncClient, fake_model: FakeAnthropi
     assert fake_model.requests == []
 
 
-async def test_message_length_limit(client: httpx.AsyncClient) -> None:
-    at_limit = await run(client, "echo", "x" * MAX_MESSAGE_CHARS)
-    assert at_limit["status"] == "complete"
-
-    # Characters, not bytes: the 2-byte one is still far below the 1 MiB body limit.
-    for char in ("x", "é"):
-        response = await client.post(
-            "/v1/runs", json={**VALID, "message": char * (MAX_MESSAGE_CHARS + 1)}
-        )
-        assert_problem(response, 422, "validation_error")
+async def test_a_message_may_fill_the_whole_body(client: httpx.AsyncClient) -> None:
+    # The only limit is the body's 1 MiB: a message that fills it is a message.
+    overhead = len(json.dumps({**VALID, "message": ""}).encode())
+    for char, size in (("x", 1), ("é", 2)):
+        message = char * ((MIB - overhead) // size)
+        content = json.dumps({**VALID, "message": message}, ensure_ascii=False).encode()
+        assert MIB - size < len(content) <= MIB
+        response = await post_raw(client, content)
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["messages"][0]["content"] == message
 
 
 async def test_body_over_one_mib_is_payload_too_large(client: httpx.AsyncClient) -> None:
@@ -176,6 +175,14 @@ async def test_body_over_one_mib_is_payload_too_large(client: httpx.AsyncClient)
     )
     assert "content-length" not in streamed.request.headers
     assert_problem(streamed, 413, "payload_too_large")
+
+    # Whatever the method: a route that reads no body still refuses one over the limit.
+    for method, path in (("GET", "/v1/agents"), ("DELETE", "/v1/sessions/s-1")):
+        too_big = await client.request(method, path, content=exactly_one_mib + b" ")
+        assert_problem(too_big, 413, "payload_too_large")
+        streamed = await client.request(method, path, content=chunks())
+        assert_problem(streamed, 413, "payload_too_large")
+    assert (await client.request("GET", "/v1/agents", content=exactly_one_mib)).status_code == 200
 
 
 async def test_unknown_path_and_wrong_method(client: httpx.AsyncClient) -> None:

@@ -69,7 +69,8 @@ class RunEnd:
 
 
 class Journal:
-    """Stateless runs: the same calls, nothing written."""
+    """Stateless runs: the same calls, nothing written; every message of the turn still
+    names its run (`run_id`), here for both kinds of journal."""
 
     async def record_start(
         self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
@@ -78,16 +79,26 @@ class Journal:
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
-        assistant.run_id = turn.run_id
+        self._stamp(turn, [assistant])
 
     def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         """Write #2: every tool result of the step, or none."""
+        self._stamp(turn, results)
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         """End of turn: the final answer (and the user message) and the run's outcome."""
+        self._stamp(turn, [final] if final is not None else [])
+
+    @staticmethod
+    def _stamp(turn: Turn, messages: Sequence[Message]) -> None:
+        """The turn's messages, and its user message while not stored, name its run."""
+        if not turn.user_stored:
+            turn.user_message.run_id = turn.run_id
+        for message in messages:
+            message.run_id = turn.run_id
 
 
 class DurableJournal(Journal):
@@ -127,7 +138,7 @@ class DurableJournal(Journal):
         turn.stored_progress = turn.progress()
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
-        assistant.run_id = turn.run_id
+        self._stamp(turn, [assistant])
         self._failpoints.reach("before-write-1")
         with self._metrics.write("write1"):
             await self._append(turn, [assistant])
@@ -138,8 +149,7 @@ class DurableJournal(Journal):
         self._ownership.check(turn.session_id)
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
-        for message in results:
-            message.run_id = turn.run_id
+        self._stamp(turn, results)
         self._failpoints.reach("after-handlers")
         before_commit = None
         if self._failpoints.armed:  # the rows are sent, the commit is not
@@ -157,8 +167,7 @@ class DurableJournal(Journal):
             "error_message": end.error_message,
             "finished_at": turn.finished_at,
         }
-        if final is not None:
-            final.run_id = turn.run_id
+        self._stamp(turn, [final] if final is not None else [])
         self._failpoints.reach("before-final-write")
         with self._metrics.write("final"):
             if final is None:  # a model failure before any write: no user message either
@@ -178,7 +187,6 @@ class DurableJournal(Journal):
         to its `end` values, else to its progress if that moved (write #2: usually not)."""
         batch = list(messages)
         if not turn.user_stored:
-            turn.user_message.run_id = turn.run_id
             batch.insert(0, turn.user_message)
         progress = turn.progress()
         run_values = end

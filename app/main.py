@@ -87,6 +87,8 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         summary="Runs LLM agents over REST with durable, at-most-once tool execution.",
         lifespan=lifespan,
         generate_unique_id_function=_operation_id,
+        # A path the API does not have is 404, also with a trailing slash (not a redirect).
+        redirect_slashes=False,
     )
     problems.install(app)
     for module in (runs, sessions, agents):

@@ -195,6 +195,9 @@ async def test_unknown_path_and_wrong_method(client: httpx.AsyncClient) -> None:
             ("GET", "/v2/runs"),
             ("GET", "/v1/sessions/a/b"),
             ("GET", "/v1/agents/echo/tools"),
+            ("GET", "/v1/agents/"),
+            ("POST", "/v1/runs/"),
+            ("GET", "/v1/sessions/s-1/"),
         ]
     }
     assert_all(not_found, 404, "not_found")

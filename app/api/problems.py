@@ -42,8 +42,8 @@ def problem_response(
         status=status,
         detail=detail,
         code=code,
-    ).model_dump()
-    body.update(extra)
+    ).model_dump(exclude_none=True)
+    body.update(extra)  # the members this code adds, null ones included
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
 
@@ -129,10 +129,25 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
+_RETRY_AFTER = {
+    "description": "Seconds to wait before retrying (session_busy, and every 503).",
+    "schema": {"type": "integer"},
+}
+# The headers a problem of this status may carry (AppError.headers).
+_PROBLEM_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+    409: {"Retry-After": _RETRY_AFTER},
+    503: {"Retry-After": _RETRY_AFTER},
+}
+
+
 def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting problem+json for the given statuses."""
     schema = {"schema": {"$ref": "#/components/schemas/Problem"}}
-    return {
-        status: {"model": Problem, "content": {PROBLEM_JSON: schema}, "description": "A problem"}
-        for status in statuses
-    }
+    documented: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        response = {"model": Problem, "content": {PROBLEM_JSON: schema}, "description": "A problem"}
+        if status in _PROBLEM_HEADERS:
+            response["headers"] = _PROBLEM_HEADERS[status]
+        documented[status] = response
+    return documented

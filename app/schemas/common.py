@@ -18,14 +18,32 @@ MAX_PAGE = 200
 DEFAULT_PAGE = 50
 
 
+class ProblemError(BaseModel):
+    """One reason a request was invalid."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
 class Problem(BaseModel):
-    """An RFC 9457 problem document plus our stable `code`."""
+    """An RFC 9457 problem document plus our stable `code`, and the members some codes add."""
 
     type: str = Field(examples=["urn:agent-runner:problem:session_busy"])
     title: str
     status: int
     detail: str
     code: str
+    active_run_id: str | None = Field(
+        default=None,
+        description="session_busy: the run that holds the session (null if it could not be told).",
+    )
+    bound_agent: str | None = Field(
+        default=None, description="session_agent_mismatch: the agent the session is bound to."
+    )
+    errors: list[ProblemError] | None = Field(
+        default=None, description="validation_error: each invalid part of the request."
+    )
 
 
 class Page(BaseModel, Generic[T]):

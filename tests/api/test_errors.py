@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.api.helpers import (
+    PROBLEM_FIELDS,
     Json,
     assert_all,
     assert_no_server_errors,
@@ -139,7 +140,8 @@ async def test_unknown_agent(client: httpx.AsyncClient, fake_model: FakeAnthropi
         response = await client.post(
             "/v1/runs", json={**VALID, "agent": "nobody", "session_id": session_id}
         )
-        assert_problem(response, 404, "agent_not_found")
+        body = assert_problem(response, 404, "agent_not_found")
+        assert set(body) == PROBLEM_FIELDS  # no other code's members, not even as null
     assert_problem(await client.get("/v1/sessions/s-new"), 404, "session_not_found")
     assert fake_model.requests == []
 

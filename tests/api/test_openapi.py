@@ -100,6 +100,16 @@ def test_problem_statuses_of_each_route(openapi: Json) -> None:
         assert "422" in statuses("get", path), path
 
 
+def test_the_members_and_headers_problems_carry_are_described(openapi: Json) -> None:
+    problem = openapi["components"]["schemas"]["Problem"]
+    # session_busy, session_agent_mismatch and validation_error add a member each.
+    assert set(problem["properties"]) >= {"active_run_id", "bound_agent", "errors"}
+    ops = operations(openapi)
+    for method, path in (("post", "/v1/runs"), ("delete", "/v1/sessions/{session_id}")):
+        assert "Retry-After" in ops[(method, path)]["responses"]["409"]["headers"], path
+        assert "Retry-After" in ops[(method, path)]["responses"]["503"]["headers"], path
+
+
 def test_bodies_are_described(openapi: Json) -> None:
     schemas = openapi["components"]["schemas"]
     create = openapi["paths"]["/v1/runs"]["post"]

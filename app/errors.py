@@ -92,8 +92,8 @@ class SessionBusy(AppError):
 class SessionConflict(SessionBusy):
     """This runner lost the session to another (found at a durable write or before a dispatch)."""
 
-    def __init__(self, session_id: str) -> None:
-        super().__init__(session_id, None)
+    def __init__(self, session_id: str, active_run_id: str | None = None) -> None:
+        super().__init__(session_id, active_run_id)
         self.detail = (
             f"This runner no longer owns session {session_id!r} (another runner took it over); "
             "it stopped without writing or dispatching anything further."

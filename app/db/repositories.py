@@ -184,6 +184,15 @@ class RunRepository:
             .limit(1)
         )
 
+    async def finished_since(self, session_id: str, moment: datetime) -> str | None:
+        """The run of the session that finished last, if that was at or after `moment`."""
+        return await self._s.scalar(
+            select(models.Run.id)
+            .where(models.Run.session_id == session_id, models.Run.finished_at >= moment)
+            .order_by(models.Run.finished_at.desc())
+            .limit(1)
+        )
+
     async def unfinished(self, session_id: str) -> list[str]:
         """Ids of the session's runs still marked `running`."""
         result = await self._s.scalars(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -9,6 +10,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -38,13 +40,14 @@ from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, RunSummary, UsageRead
 from app.services.journal import DurableJournal, Journal, Turn
-from app.services.ownership import Ownership
+from app.services.ownership import ActiveRuns, Ownership
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
 UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
+CLOCK_SLACK = timedelta(seconds=1)  # how far replicas' clocks may disagree
 
 
 def check_session_access(
@@ -124,12 +127,16 @@ class RunService:
         if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
-        async with AsyncExitStack() as stack:
-            try:
-                await stack.enter_async_context(self.ownership.hold(body.session_id))
-            except SessionBusy as busy:
-                return await self._refuse(busy, turn, body)
-            return await self._run_owned(turn, body)
+        try:
+            async with AsyncExitStack() as stack:
+                try:
+                    await stack.enter_async_context(self.ownership.hold(body.session_id))
+                except SessionBusy as busy:
+                    return await self._refuse(busy, turn, body)
+                return await self._run_owned(turn, body)
+        except SessionConflict as lost:  # another runner took the session over: name its run
+            active = await self._active_run(body.session_id, since=turn.created_at)
+            raise SessionConflict(body.session_id, active) from lost
 
     async def _refuse(self, busy: SessionBusy, turn: Turn, body: RunCreate) -> RunResult:
         """The session is busy: answer as if it were not for what does not depend on that
@@ -140,7 +147,10 @@ class RunService:
         if earlier is not None and earlier.status not in UNFINISHED:
             replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
             return RunResult(replay, replayed=True)
-        raise await self._busy(busy, body.session_id)
+        active = busy.extra.get("active_run_id")  # known when this process holds the session
+        if active is None:
+            active = await self._active_run(body.session_id, since=turn.created_at)
+        raise SessionBusy(body.session_id, active)
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
@@ -238,12 +248,24 @@ class RunService:
         turn.usage = Usage(earlier.input_tokens, earlier.output_tokens)
         turn.user_stored = any(m.run_id == earlier.id and m.role is Role.USER for m in history)
 
-    async def _busy(self, busy: SessionBusy, session_id: str) -> SessionBusy:
-        """The 409 with the run that holds the session, read from the store if need be."""
-        if busy.extra.get("active_run_id") is not None:
-            return busy
-        async with self.sessions.begin() as session:
-            return SessionBusy(session_id, await RunRepository(session).latest_running(session_id))
+    async def _active_run(self, session_id: str, *, since: datetime) -> str | None:
+        """The run that holds the session for another runner (or held it at `since`).
+
+        That runner stores its run just after taking the session, so while the session is
+        held and no run shows `running`, wait for it (up to ActiveRuns.SETTLE_WAIT_S); once
+        nobody holds it, the holder has finished: the run that finished last, if after
+        `since` (less a second for clocks of other replicas), is the one that was active."""
+        deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
+        while True:
+            held = await self.ownership.is_held(session_id)
+            async with self.sessions.begin() as session:
+                runs = RunRepository(session)
+                active = await runs.latest_running(session_id)
+                if active is None and not held:
+                    active = await runs.finished_since(session_id, since - CLOCK_SLACK)
+            if active is not None or not held or time.monotonic() > deadline:
+                return active
+            await asyncio.sleep(0.02)
 
     async def get(
         self, run_id: str, *, tenant_id: str | None, user_id: str | None = None

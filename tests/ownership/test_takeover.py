@@ -90,7 +90,8 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
         a.process.send_signal(signal.SIGCONT)
     answer = on_a.join(15)
     if isinstance(answer, httpx.Response):
-        assert_problem(answer, 409, "session_busy")
+        lost = assert_problem(answer, 409, "session_busy")
+        assert lost["active_run_id"] == run["run_id"]  # the run that took the session over
     time.sleep(1.5)  # A's chance to misbehave: a late write or tool call would land by now
     assert tool_server.invocations == invocations
     assert [i.tool for i in invocations] == ["get_issue", "post_slack"], invocations

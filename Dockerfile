@@ -14,7 +14,8 @@ RUN pip install --no-cache-dir .
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    DATABASE_URL=sqlite:////data/agent_runner.db
+    DATABASE_URL=sqlite:////data/agent_runner.db \
+    DEMO_OUTBOX=/data/demo-outbox.jsonl
 RUN useradd --system --uid 10001 --create-home --home-dir /home/agent agent \
     && mkdir /data \
     && chown agent /data

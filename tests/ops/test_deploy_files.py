@@ -139,6 +139,13 @@ def test_dockerfile_is_multi_stage_non_root_with_healthcheck_and_serve_command()
     assert image_command(stage) == SERVE_COMMAND
     exposed = last(stage, "EXPOSE")
     assert exposed is not None and "8000" in exposed.args.split()
+    # What the service writes goes to the volume its user owns, never to the read-only
+    # working directory: the SQLite default and the example email tool's outbox.
+    volume = last(stage, "VOLUME")
+    assert volume is not None and "/data" in volume.args
+    env = env_of(stage)
+    assert env["DATABASE_URL"].startswith("sqlite:////data/")
+    assert env["DEMO_OUTBOX"].startswith("/data/")
 
 
 # --- the composed app, live -------------------------------------------------------------------

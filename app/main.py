@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
+from sqlalchemy.engine import make_url
 
 from app.api import problems
 from app.api.auth import ApiKeys
@@ -41,6 +43,8 @@ def build_ownership(db: Database, settings: Settings) -> Ownership:
             heartbeat_s=settings.session_heartbeat_s,
             takeover_after_s=settings.session_takeover_after_s,
         )
+    if db.durable:  # a SQLite file: this process must be the only one serving it
+        return LocalOwnership(lock_file=Path(f"{make_url(settings.database_url).database}.lock"))
     return LocalOwnership()
 
 
@@ -60,7 +64,11 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
         )
         ownership = build_ownership(db, settings)
-        await ownership.start()
+        try:
+            await ownership.start()
+        except BaseException:
+            await db.dispose()
+            raise
         runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
         runs_service = RunService(db, registry, runner, failpoints, ownership, metrics)
         app.state.services = Services(

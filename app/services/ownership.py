@@ -15,26 +15,30 @@ Fencing: every durable write includes `fence_sql` — "this process's lock conne
 still holds this session's lock" (a `pg_locks` lookup) — in its own transaction, so a runner
 that lost the session writes nothing more. Before each tool dispatch the runner also checks
 locally that its lock connection is alive and answered a heartbeat recently (`check`), so a
-runner resumed after a takeover dispatches nothing. On SQLite one process owns the file;
-`LocalOwnership` is the in-process layer alone, and a restart releases everything.
+runner resumed after a takeover dispatches nothing. On SQLite one process owns the file (a
+second is refused at start); `LocalOwnership` is the in-process layer alone, and a restart
+releases everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import asyncpg
 
 from app.db.session import PG_CONNECTION_ERRORS
-from app.errors import SessionBusy, SessionConflict
+from app.errors import ConfigError, SessionBusy, SessionConflict
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +151,19 @@ class Ownership(Protocol):
 
 
 class LocalOwnership:
-    """One process owns the store (SQLite, memory://): the in-process layer is all it takes."""
+    """One process owns the store (SQLite, memory://): the in-process layer is all it takes.
 
-    def __init__(self) -> None:
+    "One process" is enforced on a SQLite file: `start` takes an exclusive lock on
+    `<file>.lock` (flock) for the life of the process, and a second process serving the same
+    file is refused at start (its runs would not see this one's). The kernel drops the lock
+    when the process dies, so a restart after `kill -9` owns everything again.
+    """
+
+    def __init__(self, lock_file: Path | None = None) -> None:
         self.active = ActiveRuns()
         self.statements = 0  # none: the lock is this process's memory
+        self._lock_file = lock_file
+        self._lock_fd: int | None = None
 
     @asynccontextmanager
     async def hold(self, session_id: str) -> AsyncIterator[None]:
@@ -175,13 +187,26 @@ class LocalOwnership:
         return self.active.holds(session_id)
 
     async def start(self) -> None:
-        return None
+        if self._lock_file is None:
+            return
+        fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"another process is serving this SQLite database (it holds {self._lock_file});"
+                " a SQLite file is served by one process: run replicas on PostgreSQL"
+            ) from None
+        self._lock_fd = fd
 
     async def ping(self) -> None:
         return None
 
     async def stop(self) -> None:
-        return None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
 class PostgresOwnership:

@@ -152,3 +152,20 @@ def test_interrupted_keyed_turn_before_write_1_is_continued(
     assert sorted(c["name"] for c in tool_calls(messages)) == ["get_issue", "post_slack"]
     assert sorted(i.tool for i in tool_server.invocations) == ["get_issue", "post_slack"]
     assert_history_consistent(messages)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_one_process_serves_a_sqlite_file_until_it_dies(servers: Servers) -> None:
+    """A second process on the same SQLite file would run turns the first cannot see (one run
+    per session would not hold): it is refused at start; the first's death releases the file."""
+    first = servers.start("first")
+    with pytest.raises(RuntimeError, match="another process is serving this SQLite database"):
+        servers.start("second")
+    with first.client() as client:
+        assert ok(client.post("/v1/runs", json=run_body("echo", "hi", "s-one")))["status"] == (
+            "complete"
+        )
+    first.kill()
+    with servers.start("after-kill").client() as client:  # kill -9 released the file
+        assert session_status(client, "s-one") == "idle"
+        assert ok(client.post("/v1/runs", json=run_body("echo", "again", "s-one")))

@@ -159,8 +159,10 @@ class ShuttingDown(AppError):
     title = "Shutting down"
     retry_after_s = 1
 
-    def __init__(self) -> None:
-        super().__init__("This replica is shutting down and takes no new runs; retry elsewhere.")
+    def __init__(
+        self, detail: str = "This replica is shutting down and takes no new runs; retry elsewhere."
+    ) -> None:
+        super().__init__(detail)
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}

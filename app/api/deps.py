@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -86,3 +87,20 @@ def accepting_runs(services: ServicesDep) -> None:
     """Refuse new runs once shutdown has begun (503 shutting_down)."""
     if services.lifecycle.draining:
         raise ShuttingDown()
+
+
+def cut_off(lifecycle: Lifecycle) -> ShuttingDown | None:
+    """Called on the cancellation of a run: what to answer if shutdown cut it off.
+
+    When SHUTDOWN_GRACE_S is over, uvicorn cancels the requests still running and would
+    answer them with its plain-text 500; a cut-off run is a 503 problem instead (the turn
+    resumes as after a crash). The cancellation is then taken back, so the answer is sent.
+    """
+    task = asyncio.current_task()
+    if not lifecycle.draining or task is None:
+        return None
+    task.uncancel()
+    return ShuttingDown(
+        "This replica shut down before the run finished. Resubmit the same session_id (and"
+        " Idempotency-Key) to resume it: every step it finished is stored."
+    )

@@ -115,12 +115,13 @@ def test_sigterm_cuts_off_a_run_after_the_grace_period_and_it_resumes_as_after_a
             first.process.wait(timeout=10)
             took = time.monotonic() - sent
             assert took < 5, f"the process took {took:.1f}s to exit with SHUTDOWN_GRACE_S=1"
-            try:
-                answer = cut_off.result(timeout=10)
-            except httpx.HTTPError:
-                pass  # the connection closed without an answer
-            else:
-                assert answer.status_code != 200 or answer.json()["status"] != "complete"
+            # The client is told, as a problem, that the run was cut off and how to resume it.
+            answer = cut_off.result(timeout=10)
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["content-type"].startswith("application/problem+json")
+            assert answer.json()["code"] == "shutting_down"
+            assert "resume" in answer.json()["detail"]
+            assert answer.headers["retry-after"]
     finally:
         first.kill()
         tool_server.release()  # the held handler answers nobody now

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 
-from app.api.deps import RunServiceDep, TenantDep, accepting_runs
+from app.api.deps import RunServiceDep, ServicesDep, TenantDep, accepting_runs, cut_off
 from app.api.problems import responses
 from app.schemas.runs import RunCreate, RunRead
 
@@ -33,12 +34,17 @@ IdempotencyKey = Annotated[
 async def create_run(
     body: RunCreate,
     response: Response,
-    runs: RunServiceDep,
+    services: ServicesDep,
     tenant: TenantDep,
     idempotency_key: IdempotencyKey = None,
 ) -> RunRead:
     """Run one turn of an agent and answer when it ends."""
-    result = await runs.create(body, tenant_id=tenant, idempotency_key=idempotency_key)
+    try:
+        result = await services.runs.create(body, tenant_id=tenant, idempotency_key=idempotency_key)
+    except asyncio.CancelledError:
+        if (shutdown := cut_off(services.lifecycle)) is None:
+            raise
+        raise shutdown from None
     if result.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return result.run

@@ -86,6 +86,9 @@ def configure_logging(level: str, fmt: str) -> None:
     # uvicorn's access log is replaced by AccessLog below.
     for name in ("httpx", "httpx2", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # The anthropic SDK logs each request's options, messages included, at DEBUG: never
+    # below INFO, so that no level logs what users wrote.
+    logging.getLogger("anthropic").setLevel(max(root.level, logging.INFO))
 
 
 class AccessLog:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -26,7 +26,12 @@ class Settings(BaseSettings):
     # miss it before another runner takes its sessions over (services/ownership.py).
     session_heartbeat_s: float = Field(default=0.5, gt=0)
     session_takeover_after_s: float = Field(default=3.0, gt=0)
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     # On SIGTERM: stop taking runs, give runs in progress this long to finish, then exit.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_any_case(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value

@@ -13,6 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.ops.helpers import json_lines
 from tests.ops.scenario import SESSIONS, Scenario
 from tests.support.agents import write_agents_file
@@ -195,3 +197,40 @@ def test_text_format_and_warning_level(
     assert len(failed) == 1
     assert f"run_id={run_id}" in failed[0]
     assert "session_id=t-1" in failed[0] and "agent=broken-model" in failed[0]
+
+
+def test_debug_level_logs_no_message_text_and_no_key(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    key, marker = "sk-debug-key-5d1e", "debug-marker-c0ffee"
+    server = ServerProcess(
+        database_url=f"sqlite:///{tmp_path / 'debug.db'}",
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+        env={"LOG_LEVEL": "debug", "API_KEYS": f"{key}:acme"},  # any case
+    )
+    with server, server.client() as client:
+        answer = client.post(
+            "/v1/runs",
+            json={"agent": "triage", "message": f"triage {marker}", "session_id": "d-1"},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert answer.status_code == 200 and answer.json()["status"] == "complete", answer.text
+    text = server.logs()
+    assert any(r["level"] == "DEBUG" for r in json_lines(text)), "nothing was logged at DEBUG"
+    assert any(marker in json.dumps(request) for request in fake_model.requests)
+    assert marker not in text
+    assert key not in text
+
+
+def test_an_unknown_log_level_is_refused_at_start(tmp_path: Path) -> None:
+    server = ServerProcess(
+        database_url=f"sqlite:///{tmp_path / 'level.db'}",
+        log_path=tmp_path / "server.log",
+        env={"LOG_LEVEL": "verbose"},
+    )
+    with pytest.raises(RuntimeError, match="server exited"):
+        server.start(timeout=20)
+    assert "LOG_LEVEL" in server.logs() or "log_level" in server.logs()
+    assert "Traceback" not in server.logs()

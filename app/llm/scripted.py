@@ -127,6 +127,7 @@ ORDER_ID = re.compile(r"\b([A-Za-z]{1,4}-\d{1,10})\b")
 DEFAULT_ORDER_ID = "A-1001"
 CUSTOMER = "customer@example.com"
 SLOW_DELAY_S = 15
+AGAIN = re.compile(r"\b(again|resend)\b", re.IGNORECASE)
 
 
 def support_script(request: ModelRequest) -> ModelResponse:
@@ -141,6 +142,12 @@ def support_script(request: ModelRequest) -> ModelResponse:
     for result in [*results.values(), *repaired_before_turn(request.messages)]:
         if is_durability_error(result.content):
             return final(_interrupted_report(result, order_id))
+    # "Never send the same email twice" (its system prompt): unless asked to send it again.
+    if not turn and AGAIN.search(user_text) is None:
+        earlier = request.messages[: len(request.messages) - 1]
+        sent = _emailed_before(earlier, order_id)
+        if sent is not None:
+            return final(_already_emailed_report(sent, order_id))
     if "send_email" in results:
         return final(_email_report(results["send_email"], order_id))
     lookup = results.get("lookup_order")
@@ -154,12 +161,29 @@ def support_script(request: ModelRequest) -> ModelResponse:
     slow = re.search(r"\bslow\b", user_text, re.IGNORECASE) is not None
     arguments = {
         "to": CUSTOMER,
-        "subject": f"Your order {order_id}",
+        "subject": _subject(order_id),
         "body": _order_summary(order_id, parse_json(lookup.content)),
         "delay_s": SLOW_DELAY_S if slow else 0,
     }
     call = ToolCall(tool_call_id(request, step, "send_email"), "send_email", arguments)
     return ask(f"I found order {order_id}; emailing the customer an update.", [call])
+
+
+def _emailed_before(messages: list[Message], order_id: str) -> Message | None:
+    """The result of an earlier send_email about this order that went out, if any."""
+    subject = _subject(order_id)
+    calls = {c.id: c for m in messages if m.role is Role.ASSISTANT for c in m.tool_calls}
+    for message in messages:
+        if message.role is not Role.TOOL or message.tool_name != "send_email":
+            continue
+        call = calls.get(message.tool_call_id or "")
+        if not message.is_error and call is not None and call.arguments.get("subject") == subject:
+            return message
+    return None
+
+
+def _subject(order_id: str) -> str:
+    return f"Your order {order_id}"
 
 
 def _order_summary(order_id: str, order: Any) -> str:
@@ -189,12 +213,21 @@ def _email_report(result: Message, order_id: str) -> str:
         return (
             f"I looked up order {order_id} but could not email the customer: {_error_text(result)}"
         )
+    return f"I looked up order {order_id} and emailed {CUSTOMER} an update{_message_id(result)}."
+
+
+def _already_emailed_report(result: Message, order_id: str) -> str:
+    return (
+        f"I already emailed {CUSTOMER} about order {order_id}{_message_id(result)}, and I do"
+        " not send the same email twice. Ask me to send it again if it is needed."
+    )
+
+
+def _message_id(result: Message) -> str:
+    """ " (message id …)" of a sent email's result, or nothing."""
     body = parse_json(result.content)
     message_id = body.get("message_id") if isinstance(body, dict) else None
-    return (
-        f"I looked up order {order_id} and emailed {CUSTOMER} an update"
-        f"{f' (message id {message_id})' if message_id else ''}."
-    )
+    return f" (message id {message_id})" if message_id else ""
 
 
 def _interrupted_report(result: Message, order_id: str) -> str:

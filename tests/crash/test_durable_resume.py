@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,3 +205,35 @@ def test_ten_step_durable_run(
     per_call = tool_server.per_call("get_issue")
     assert len(per_call) == 10
     assert set(per_call.values()) == {1}
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("failpoint", ["after-write-2@2", "before-final-write"])
+def test_example_support_agent_emails_once_across_a_crash_after_the_email(
+    failpoint: str, tmp_path: Path, database_url: str
+) -> None:
+    """The built-in `support` agent (offline, no AGENTS_FILE): its email went out and its result
+    was stored, then the process died; a resubmission without a key is a new turn, and the
+    agent (never the same email twice) reports the email instead of sending it again."""
+    outbox = Path(os.environ["DEMO_OUTBOX"])  # set per test (tests/conftest.py)
+    body = {"agent": "support", "message": "Where is order A-1001?", "session_id": "s-email"}
+
+    def server(label: str, failpoints: str | None = None) -> ServerProcess:
+        return ServerProcess(
+            database_url=database_url, log_path=tmp_path / f"{label}.log", failpoints=failpoints
+        )
+
+    with server("crashed", failpoint) as crashing:
+        crash_run(crashing, body)
+    assert len(outbox.read_text().splitlines()) == 1
+    with server("resumed") as resumed, resumed.client() as client:
+        run = post_run(client, body)
+        history = list_messages(client, "s-email")
+    assert run["status"] == "complete", run
+    assert "already emailed" in run["response"], run["response"]
+    assert len(outbox.read_text().splitlines()) == 1
+    assert [m["tool_name"] for m in history if m["role"] == "tool"] == [
+        "lookup_order",
+        "send_email",
+    ]
+    assert_history_consistent(history)

@@ -195,3 +195,24 @@ async def test_support_is_deterministic_with_unique_ids(
     prefix = history[:1]
     assert await complete(prefix) == await complete(list(prefix))
     assert (await complete(prefix)).tool_calls == first_turn[0].tool_calls
+
+
+async def test_support_does_not_send_the_same_email_twice_unless_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its system prompt says never to send the same email twice: a later turn about the same
+    # order (a resubmission after a crash, say) reports the email already sent.
+    history: list[Message] = []
+    outbox = tmp_path / "outbox.jsonl"
+    await run_turn(history, "Where is order A-5?", outbox, monkeypatch)
+    sent = json.loads(history[-2].content)  # send_email's result, before the report
+
+    [repeat] = await run_turn(history, "Where is order A-5?", outbox, monkeypatch)
+    assert repeat.tool_calls == []
+    assert "already emailed" in repeat.text and sent["message_id"] in repeat.text
+    assert len(outbox.read_text().splitlines()) == 1
+
+    other = await run_turn(history, "And order A-6?", outbox, monkeypatch)
+    again = await run_turn(history, "Please send the A-5 email again", outbox, monkeypatch)
+    assert [c.name for r in other + again for c in r.tool_calls].count("send_email") == 2
+    assert len(outbox.read_text().splitlines()) == 3

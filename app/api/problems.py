@@ -85,7 +85,7 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
             status=422,
             code="validation_error",
             title="Validation error",
-            detail="The request body is not valid JSON.",
+            detail="The request body is not valid JSON, or nests too deeply to read.",
         )
     code, title = _HTTP_CODES.get(exc.status_code, ("http_error", "HTTP error"))
     return problem_response(

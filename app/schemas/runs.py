@@ -12,6 +12,7 @@ from app.domain import Message, RunStatus, SessionStatus
 from app.tools.base import AgentConfig, Tool
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MAX_METADATA_DEPTH = 32
 
 
 class RunCreate(BaseModel):
@@ -37,13 +38,27 @@ class RunCreate(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _storable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        # What we store and echo back must be strict JSON: no NaN/Infinity, no lone surrogates.
+        # What we store and echo back must be strict JSON: no NaN/Infinity, no lone surrogates,
+        # and shallow enough to serialise back (pydantic stops at 255 levels).
         if value is not None:
+            if _deeper_than(value, MAX_METADATA_DEPTH):
+                raise ValueError(f"must not nest deeper than {MAX_METADATA_DEPTH} levels")
             try:
                 json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
             except (ValueError, UnicodeEncodeError) as exc:
                 raise ValueError(f"must be storable JSON ({exc.__class__.__name__})") from exc
         return value
+
+
+def _deeper_than(value: Any, levels: int) -> bool:
+    """Whether objects and arrays nest in `value` more than `levels` deep."""
+    if isinstance(value, dict):
+        children: Any = value.values()
+    elif isinstance(value, list):
+        children = value
+    else:
+        return False
+    return levels == 0 or any(_deeper_than(child, levels - 1) for child in children)
 
 
 class ToolCallRead(BaseModel):

@@ -254,7 +254,12 @@ HOSTILE_METADATA: dict[str, bytes] = {
     "lone-surrogate": b'{"a": "\\udfff"}',
     "huge-int": b'{"a": ' + b"9" * 4000 + b"}",
     "int-over-pythons-digit-limit": b'{"a": ' + b"9" * 5000 + b"}",
+    # Deeper than the response can be serialised (255 levels), shallower than JSON parsing
+    # gives up: refused up front, never run, stored and then unreadable.
+    "objects-256-deep": b'{"a": ' * 256 + b"1" + b"}" * 256,
+    "arrays-256-deep": b'{"a": ' + b"[" * 256 + b"]" * 256 + b"}",
 }
+TOO_DEEP = ("objects-256-deep", "arrays-256-deep")
 HOSTILE_FIELDS: dict[str, Json] = {
     "nul-in-message": {"message": "x\x00y"},
     "nul-in-user-id": {"user_id": "u\x00"},
@@ -264,16 +269,25 @@ HOSTILE_FIELDS: dict[str, Json] = {
 async def test_hostile_values_never_answer_5xx(client: httpx.AsyncClient) -> None:
     outcomes: dict[str, tuple[int, str]] = {}
     for name, metadata in HOSTILE_METADATA.items():
-        for session_id in ("null", f'"{name}"'):
+        for session_id, key in (("null", None), (f'"{name}"', None), (f'"{name}-k"', "k-1")):
             content = b'{"agent": "echo", "message": "hi", "session_id": %s, "metadata": %s}'
-            response = await post_raw(client, content % (session_id.encode(), metadata))
+            response = await client.post(
+                "/v1/runs",
+                content=content % (session_id.encode(), metadata),
+                headers={
+                    "content-type": "application/json",
+                    **({"Idempotency-Key": key} if key else {}),
+                },
+            )
             outcomes[f"POST {name} session_id={session_id}"] = outcome(response)
+            if name in TOO_DEEP:
+                assert_problem(response, 422, "validation_error")
     for name, fields in HOSTILE_FIELDS.items():
         for sid in (None, name):
             response = await client.post("/v1/runs", json={**VALID, "session_id": sid, **fields})
             outcomes[f"POST {name} session_id={sid}"] = outcome(response)
     # What was stored must not break reading it back, for this session or any other.
-    for name in [*HOSTILE_METADATA, *HOSTILE_FIELDS]:
+    for name in [*HOSTILE_METADATA, *(f"{m}-k" for m in HOSTILE_METADATA), *HOSTILE_FIELDS]:
         for route in ("", "/messages", "/runs"):
             url = f"/v1/sessions/{name}{route}"
             outcomes[f"GET {url}"] = outcome(await client.get(url))

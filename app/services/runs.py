@@ -66,6 +66,33 @@ def check_session_access(
         raise SessionAccessDenied(row.id)
 
 
+async def active_run(
+    db: Database, ownership: Ownership, busy: SessionBusy, session_id: str, *, since: datetime
+) -> str | None:
+    """The run that holds the session (or held it at `since`): what the 409 for `busy` names.
+
+    This process knows its own runs (`busy` names them); another runner's is read from the
+    store.
+    That runner stores its run just after taking the session, so while the session is held
+    and no run shows `running`, wait for it (up to ActiveRuns.SETTLE_WAIT_S); once nobody
+    holds it, the holder has finished: the run that finished last, if after `since` (less a
+    second for clocks of other replicas), is the one that was active."""
+    known: str | None = busy.extra.get("active_run_id")
+    if known is not None:
+        return known
+    deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
+    while True:
+        held = await ownership.is_held(session_id)
+        async with db.sessions.begin() as session:
+            runs = RunRepository(session)
+            active = await runs.latest_running(session_id)
+            if active is None and not held:
+                active = await runs.finished_since(session_id, since - CLOCK_SLACK)
+        if active is not None or not held or time.monotonic() > deadline:
+            return active
+        await asyncio.sleep(0.02)
+
+
 def fingerprint(body: RunCreate) -> str:
     """A hash of the request body as parsed JSON, to tell a retry from a different request."""
     canonical = json.dumps(
@@ -135,7 +162,7 @@ class RunService:
                     return await self._refuse(busy, turn, body)
                 return await self._run_owned(turn, body)
         except SessionConflict as lost:  # another runner took the session over: name its run
-            active = await self._active_run(body.session_id, since=turn.created_at)
+            active = await self._active_run(lost, turn)
             raise SessionConflict(body.session_id, active) from lost
 
     async def _refuse(self, busy: SessionBusy, turn: Turn, body: RunCreate) -> RunResult:
@@ -147,10 +174,13 @@ class RunService:
         if earlier is not None and earlier.status not in UNFINISHED:
             replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
             return RunResult(replay, replayed=True)
-        active = busy.extra.get("active_run_id")  # known when this process holds the session
-        if active is None:
-            active = await self._active_run(body.session_id, since=turn.created_at)
-        raise SessionBusy(body.session_id, active)
+        raise SessionBusy(body.session_id, await self._active_run(busy, turn))
+
+    async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
+        assert turn.session_id is not None
+        return await active_run(
+            self.db, self.ownership, busy, turn.session_id, since=turn.created_at
+        )
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
@@ -247,25 +277,6 @@ class RunService:
         turn.iterations = earlier.iterations
         turn.usage = Usage(earlier.input_tokens, earlier.output_tokens)
         turn.user_stored = any(m.run_id == earlier.id and m.role is Role.USER for m in history)
-
-    async def _active_run(self, session_id: str, *, since: datetime) -> str | None:
-        """The run that holds the session for another runner (or held it at `since`).
-
-        That runner stores its run just after taking the session, so while the session is
-        held and no run shows `running`, wait for it (up to ActiveRuns.SETTLE_WAIT_S); once
-        nobody holds it, the holder has finished: the run that finished last, if after
-        `since` (less a second for clocks of other replicas), is the one that was active."""
-        deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
-        while True:
-            held = await self.ownership.is_held(session_id)
-            async with self.sessions.begin() as session:
-                runs = RunRepository(session)
-                active = await runs.latest_running(session_id)
-                if active is None and not held:
-                    active = await runs.finished_since(session_id, since - CLOCK_SLACK)
-            if active is not None or not held or time.monotonic() > deadline:
-                return active
-            await asyncio.sleep(0.02)
 
     async def get(
         self, run_id: str, *, tenant_id: str | None, user_id: str | None = None

@@ -8,6 +8,7 @@ from functools import partial
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
+from app.db.base import utcnow
 from app.db.repositories import (
     MessageRepository,
     RunRepository,
@@ -17,11 +18,11 @@ from app.db.repositories import (
 )
 from app.db.session import Database
 from app.domain import SessionStatus, orphaned_calls
-from app.errors import SessionNotFound
+from app.errors import SessionBusy, SessionNotFound
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.ownership import Ownership
-from app.services.runs import check_session_access, run_summary
+from app.services.runs import active_run, check_session_access, run_summary
 
 
 @dataclass
@@ -106,11 +107,16 @@ class SessionService:
         """Delete the session, its runs and messages; not while a run is in progress."""
         async with self.sessions.begin() as session:  # not revealed by a 409 to others
             await self._visible(session, session_id, tenant_id, user_id)
-        async with self.ownership.hold(session_id):
-            async with self.sessions.begin() as session:
-                await self._visible(session, session_id, tenant_id, user_id)
-            # Every write goes through db.writes (app/db/session.py, InlineTransactor).
-            await self.db.writes.transact(partial(delete_session, session_id=session_id))
+        asked = utcnow()
+        try:
+            async with self.ownership.hold(session_id):
+                async with self.sessions.begin() as session:
+                    await self._visible(session, session_id, tenant_id, user_id)
+                # Every write goes through db.writes (app/db/session.py, InlineTransactor).
+                await self.db.writes.transact(partial(delete_session, session_id=session_id))
+        except SessionBusy as busy:
+            active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
+            raise SessionBusy(session_id, active) from busy
 
     async def _status(self, session: AsyncSession, row: models.Session) -> SessionStatus:
         if await self.ownership.is_held(row.id):

@@ -9,6 +9,7 @@ import httpx
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     POSTGRES_ONLY,
+    Background,
     Json,
     assert_busy,
     fire_together,
@@ -16,6 +17,7 @@ from tests.ownership.helpers import (
     ok,
     run_body,
     session_runs,
+    wait_until,
 )
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.server import ServerProcess
@@ -95,3 +97,24 @@ def test_every_busy_answer_across_replicas_names_a_run_of_the_session(
                 named = assert_busy(response)["active_run_id"]
                 assert named in runs, (named, sorted(runs))
     assert refused > 0
+
+
+@POSTGRES_ONLY
+def test_delete_on_another_replica_while_a_run_is_in_progress_names_the_run(
+    servers: Servers, fake_model: FakeAnthropic
+) -> None:
+    """DELETE is refused while the session runs, on either replica, with the run's id."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session = "s-delete-busy"
+    fake_model.set_delay(2)  # A's first model call keeps the session held
+    on_a = Background(a.url, run_body("triage", "Triage issue 12", session))
+    wait_until(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
+    with b.client() as client:
+        refused = client.delete(f"/v1/sessions/{session}")
+    answer = on_a.join(30)
+    assert isinstance(answer, httpx.Response), answer
+    run = ok(answer)
+    assert assert_busy(refused)["active_run_id"] == run["run_id"]
+    with a.client() as client:  # the run went on, and the session is still there
+        assert [r["run_id"] for r in session_runs(client, session)] == [run["run_id"]]

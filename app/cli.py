@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from types import FrameType
 
 import click
@@ -15,6 +16,7 @@ from app.db.migrate import upgrade
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.main import create_app
+from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings
 
 log = logging.getLogger("app.cli")
@@ -63,6 +65,9 @@ def serve(host: str, port: int) -> None:
     settings = _settings()
     try:
         app = create_app(settings)
+        lock_file = serving_lock_file(settings.database_url)
+        if lock_file is not None:  # say so now, not in a traceback from the app's start-up
+            os.close(take_serving_lock(lock_file))
         upgrade(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc

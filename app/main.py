@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
-from sqlalchemy.engine import make_url
 
 from app.api import problems
 from app.api.auth import ApiKeys
@@ -22,7 +20,12 @@ from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
 from app.logs import AccessLog
 from app.metrics import Metrics
-from app.services.ownership import LocalOwnership, Ownership, PostgresOwnership
+from app.services.ownership import (
+    LocalOwnership,
+    Ownership,
+    PostgresOwnership,
+    serving_lock_file,
+)
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService
@@ -43,9 +46,8 @@ def build_ownership(db: Database, settings: Settings) -> Ownership:
             heartbeat_s=settings.session_heartbeat_s,
             takeover_after_s=settings.session_takeover_after_s,
         )
-    if db.durable:  # a SQLite file: this process must be the only one serving it
-        return LocalOwnership(lock_file=Path(f"{make_url(settings.database_url).database}.lock"))
-    return LocalOwnership()
+    # A SQLite file: this process must be the only one serving it.
+    return LocalOwnership(lock_file=serving_lock_file(settings.database_url))
 
 
 def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None) -> FastAPI:

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import asyncpg
+from sqlalchemy.engine import make_url
 
-from app.db.session import PG_CONNECTION_ERRORS
+from app.db.session import MEMORY_URL, PG_CONNECTION_ERRORS
 from app.errors import ConfigError, SessionBusy, SessionConflict
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,30 @@ class Ownership(Protocol):
         ...
 
 
+def serving_lock_file(database_url: str) -> Path | None:
+    """The file whose lock a process serving this SQLite database holds (None: not a file)."""
+    if database_url == MEMORY_URL:
+        return None
+    url = make_url(database_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    return Path(f"{url.database}.lock")
+
+
+def take_serving_lock(lock_file: Path) -> int:
+    """Lock the file for this process (an fd to keep open), or ConfigError if another has it."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"another process is serving this SQLite database (it holds {lock_file});"
+            " a SQLite file is served by one process: run replicas on PostgreSQL"
+        ) from None
+    return fd
+
+
 class LocalOwnership:
     """One process owns the store (SQLite, memory://): the in-process layer is all it takes.
 
@@ -187,18 +212,8 @@ class LocalOwnership:
         return self.active.holds(session_id)
 
     async def start(self) -> None:
-        if self._lock_file is None:
-            return
-        fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(
-                f"another process is serving this SQLite database (it holds {self._lock_file});"
-                " a SQLite file is served by one process: run replicas on PostgreSQL"
-            ) from None
-        self._lock_fd = fd
+        if self._lock_file is not None:
+            self._lock_fd = take_serving_lock(self._lock_file)
 
     async def ping(self) -> None:
         return None

@@ -69,9 +69,9 @@ def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
     """The result stored for an orphaned call that is not safe to retry (CONTRACT §2)."""
     body = {
         "error": (
-            f"Tool {tool_name!r} (call {tool_call_id}) was dispatched but the runner stopped "
-            "before its result was saved. It may or may not have taken effect; check before "
-            "repeating it."
+            f"The runner stopped before the result of tool {tool_name!r} (call {tool_call_id})"
+            " was saved: the call may or may not have run, so it may or may not have taken"
+            " effect; check before repeating it."
         ),
         "kind": "tool-durability-error",
         "toolName": tool_name,

@@ -196,7 +196,10 @@ class RunService:
             logs.bind(run_id=turn.run_id)
         journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
         repairs = await self.runner.repairs(turn, history, agent)
-        await journal.record_start(turn, repairs, [r for r in unfinished if r != turn.run_id])
+        interrupted = [r for r in unfinished if r != turn.run_id]
+        await journal.record_start(turn, repairs, interrupted)
+        if interrupted:  # their runners died: this is where they end
+            self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
         assert turn.session_id is not None
         self.ownership.active.confirm(turn.session_id, turn.run_id)
         history.extend(repairs)

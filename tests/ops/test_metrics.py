@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from tests.ops.helpers import increase, value
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.ops.helpers import increase, scrape, value
 from tests.ops.scenario import Scenario
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import ServerProcess
+from tests.support.tool_server import ToolServer
 
 RUNS = "agent_runner_runs_total"
 TOOL_CALLS = "agent_runner_tool_calls_total"
@@ -85,3 +95,23 @@ def test_session_busy_rejections(ops: Scenario) -> None:
     # The refused request is no run: only the first one is counted.
     assert increase(before, after, RUNS, agent="echo", status="complete") == 1
     assert value(after, "agent_runner_session_busy_rejections_total") == 1
+
+
+def test_a_run_whose_runner_died_counts_as_interrupted_when_found(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    common: dict[str, Any] = {
+        "database_url": f"sqlite:///{tmp_path / 'died.db'}",
+        "agents_file": write_agents_file(tmp_path, tool_server.url),
+        "model_url": fake_model.url,
+    }
+    body = {"agent": "triage", "message": "Triage issue 3", "session_id": "s-died"}
+    crashing = ServerProcess(log_path=tmp_path / "crash.log", failpoints="after-handlers", **common)
+    with crashing, crashing.client() as client, contextlib.suppress(httpx.TransportError):
+        client.post("/v1/runs", json=body)
+    with ServerProcess(log_path=tmp_path / "serve.log", **common) as server, server.client() as c:
+        before = scrape(c)
+        assert c.post("/v1/runs", json=body).json()["status"] == "complete"  # no key: a new turn
+        after = scrape(c)
+    assert increase(before, after, RUNS, agent="triage", status="interrupted") == 1
+    assert increase(before, after, RUNS, agent="triage", status="complete") == 1

@@ -11,6 +11,7 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -96,9 +97,22 @@ async def active_run(
 def fingerprint(body: RunCreate) -> str:
     """A hash of the request body as parsed JSON, to tell a retry from a different request."""
     canonical = json.dumps(
-        body.model_dump(mode="json", exclude_unset=True), sort_keys=True, separators=(",", ":")
+        _integral_floats_as_ints(body.model_dump(mode="json", exclude_unset=True)),
+        sort_keys=True,
+        separators=(",", ":"),
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    """JSON has one kind of number: 12.0 and 12 are the same value."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,10 @@ def test_finished_turn_replays_and_a_changed_body_is_refused(
         assert again.headers.get("idempotent-replayed") == "true"
         assert ok(again) == run
 
-        # The same JSON with its keys in another order and other whitespace is the same body.
+        # The same JSON with its keys in another order and other whitespace is the same body;
+        # 12.0 is the number 12 (equal as parsed JSON, and in JSON itself).
         reordered = (
-            '{ "metadata" : {"ticket": {"queue": "ops", "id": 12}, "source": "email"},\n'
+            '{ "metadata" : {"ticket": {"queue": "ops", "id": 12.0}, "source": "email"},\n'
             f'  "session_id": "{SESSION}",   "message": "{MESSAGE}", "agent": "triage" }}'
         )
         assert json.loads(reordered) == body

@@ -96,7 +96,8 @@ class SessionConflict(SessionBusy):
         super().__init__(session_id, active_run_id)
         self.detail = (
             f"This runner no longer owns session {session_id!r} (another runner took it over); "
-            "it stopped without writing or dispatching anything further."
+            "it stopped without writing or dispatching anything further (a tool call already"
+            " under way may still finish: the run that took over treats it as interrupted)."
         )
 
 

@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from app.api import problems
 from app.api.auth import ApiKeys
 from app.api.deps import Lifecycle, Services, get_tenant
+from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
 from app.db.migrate import head_revision
@@ -105,6 +106,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         app.include_router(module.router, dependencies=[Depends(get_tenant)])
     app.include_router(health.router)
     app.add_middleware(BodySizeLimit)
+    app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
     app.state.lifecycle = lifecycle
     return app

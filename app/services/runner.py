@@ -179,6 +179,10 @@ class AgentRunner:
         await journal.record_end(turn, final, end)
         if final is not None:
             turn.messages.append(final)
+        elif not turn.user_stored and turn.messages and turn.messages[-1] is turn.user_message:
+            # The model failed before the turn's first write: its user message was never
+            # stored (CONTRACT §2, the history is as it was), so it is not the turn's either.
+            turn.messages.pop()
 
     async def _dispatch(
         self, turn: Turn, journal: Journal, agent: AgentConfig, calls: Sequence[ToolCall]

@@ -103,6 +103,7 @@ async def test_model_failure_is_a_run_error_and_writes_no_history(
             assert body["response"] is None
             assert body["error"]["type"] == error_type
             assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+            assert body["messages"] == []  # the turn stored none, not even its user message
         messages = await client.get(f"/v1/sessions/failing-{agent}/messages")
         # Whether or not the failed turn left an empty session behind, it left no history.
         if messages.status_code != 404:
@@ -129,7 +130,7 @@ async def test_model_failure_leaves_the_history_as_it_was(
         record = await get_ok(client, f"/v1/runs/{failed['run_id']}")
         assert record["status"] == "error"
         assert record["error"] == failed["error"]
-        assert record["messages"] == []
+        assert record["messages"] == failed["messages"] == []
 
         # The failed turn's message is not part of what the model sees next.
         third = await run(client, "echo", "three", session_id=chat)

@@ -16,9 +16,11 @@ from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
 from app.db.migrate import head_revision
 from app.db.session import Database, asyncpg_dsn
+from app.errors import ConfigError
 from app.failpoints import Failpoints
 from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
+from app.llm.scripted import unknown_script
 from app.logs import AccessLog
 from app.metrics import Metrics
 from app.services.ownership import (
@@ -56,6 +58,11 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     settings = settings or Settings()
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file)
+    if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
+        for agent in registry.agents.values():
+            if (problem := unknown_script(agent.model)) is not None:
+                source = settings.agents_file or "the built-in example agents"
+                raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
     api_keys = ApiKeys.parse(settings.api_keys.get_secret_value()) if settings.api_keys else None
     metrics = Metrics()
     lifecycle = Lifecycle()

@@ -24,6 +24,14 @@ def register_script(name: str, fn: Script) -> None:
     _SCRIPTS[name] = fn
 
 
+def unknown_script(model: str) -> str | None:
+    """Why a `scripted:` model has no built-in script (None when it has, or is not scripted)."""
+    name = model.removeprefix(PREFIX)
+    if not model.startswith(PREFIX) or name in _SCRIPTS:
+        return None
+    return f"unknown scripted model {model!r} (known: {', '.join(sorted(_SCRIPTS)) or 'none'})"
+
+
 class ScriptedLLMClient:
     """LLMClient for `scripted:<name>` models; looks scripts up at call time."""
 

@@ -13,8 +13,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests.ops.helpers import json_lines
 from tests.ops.scenario import SESSIONS, Scenario
 from tests.support.agents import write_agents_file
@@ -222,15 +220,3 @@ def test_debug_level_logs_no_message_text_and_no_key(
     assert any(marker in json.dumps(request) for request in fake_model.requests)
     assert marker not in text
     assert key not in text
-
-
-def test_an_unknown_log_level_is_refused_at_start(tmp_path: Path) -> None:
-    server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'level.db'}",
-        log_path=tmp_path / "server.log",
-        env={"LOG_LEVEL": "verbose"},
-    )
-    with pytest.raises(RuntimeError, match="server exited"):
-        server.start(timeout=20)
-    assert "LOG_LEVEL" in server.logs() or "log_level" in server.logs()
-    assert "Traceback" not in server.logs()

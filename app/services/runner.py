@@ -42,6 +42,14 @@ class RunOutcome:
     turn: Turn
 
 
+def _truncated_call(agent: AgentConfig) -> str:
+    return (
+        f"The model's answer reached max_tokens ({agent.max_tokens}) while asking for a tool"
+        " call, whose input may be incomplete; the call was not made. Raise the agent's"
+        " max_tokens."
+    )
+
+
 class AgentRunner:
     """Runs one turn of an agent over a history, writing through a Journal."""
 
@@ -113,6 +121,11 @@ class AgentRunner:
                 end = RunEnd(RunStatus.ERROR, last_text, "internal_error", str(exc))
                 break
             turn.usage.add(response.usage)
+            if response.tool_calls and response.stop_reason == "max_tokens":
+                # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
+                # store nothing of this answer (as after a failed model call).
+                end = RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
+                break
             assistant = Message.assistant(response.text, response.tool_calls)
             last_text = response.text
             if not response.tool_calls:

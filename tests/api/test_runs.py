@@ -151,3 +151,19 @@ async def test_metadata_is_kept_on_the_session_and_on_each_run(client: httpx.Asy
     assert (await get_ok(client, f"/v1/runs/{second['run_id']}"))["metadata"] == {"step": 2}
     runs = (await get_ok(client, "/v1/sessions/meta/runs"))["data"]
     assert [r["metadata"] for r in runs] == [{"step": 2}, {"ticket": "T-1"}]
+
+
+async def test_a_tool_call_cut_off_by_max_tokens_is_never_made(
+    client: httpx.AsyncClient, tool_server: ToolServer
+) -> None:
+    # Its input may be incomplete (the answer stopped at max_tokens): the run ends as a failed
+    # model call, storing nothing of that answer.
+    for session_id in (None, "cut-off"):
+        body = await run(client, "cut-off", "post the report", session_id=session_id)
+        assert body["status"] == "error", body
+        assert body["error"]["type"] == "max_tokens"
+        assert "max_tokens" in body["error"]["message"]
+        assert body["messages"] == []
+        assert body["usage"]["output_tokens"] > 0  # the answer was paid for all the same
+    assert tool_server.invocations == []
+    assert (await get_ok(client, "/v1/sessions/cut-off/messages"))["data"] == []

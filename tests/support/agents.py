@@ -44,6 +44,9 @@ agents:
     tools: [get_issue]
   overloaded:
     model: "fail:529"
+  cut-off:
+    model: "cutoff:post_slack"
+    tools: [post_slack]
 """
 
 

@@ -7,6 +7,7 @@ crashed-and-resumed run gets consistent answers:
 * `plan:a,b;c`: step 1 calls tools a and b, step 2 calls c, then a final summary.
 * `steps:<n>:<tool>`: n steps each calling <tool> once, then a final summary.
 * `fail:<status>`: always that error (529 overloaded_error, 429 rate_limit_error, ...).
+* `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`).
 
 The summary is `done after N steps; errors: <names>; durability errors: <call ids>` (lists
 joined by ","): N counts this turn's assistant messages; `errors` names the tools whose results
@@ -300,7 +301,14 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
     k = sum(1 for m in messages[start + 1 :] if m["role"] == "assistant")
     steps = parse_steps(body["model"])
     content: list[dict[str, Any]]
-    if steps is None:
+    if body["model"].startswith("cutoff:"):
+        name = body["model"].removeprefix("cutoff:")
+        content = [
+            {"type": "text", "text": "Posting"},
+            {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": name, "input": {}},
+        ]
+        stop = "max_tokens"
+    elif steps is None:
         content, stop = [{"type": "text", "text": f"echo: {user_text}"}], "end_turn"
     elif k < len(steps):
         schemas = {t["name"]: t["input_schema"] for t in body.get("tools") or []}

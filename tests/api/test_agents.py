@@ -6,7 +6,16 @@ import httpx
 
 from tests.api.helpers import all_pages, assert_problem, get_ok
 
-AGENTS = ["broken-model", "echo", "overloaded", "slow", "ten-steps", "triage", "two-steps"]
+AGENTS = [
+    "broken-model",
+    "cut-off",
+    "echo",
+    "overloaded",
+    "slow",
+    "ten-steps",
+    "triage",
+    "two-steps",
+]
 TOOL_FIELDS = {"name", "description", "input_schema", "safe_to_retry"}
 
 

@@ -97,6 +97,13 @@ class AnthropicLLMClient:
                 extra={"error_type": error.type, "retryable": error.retryable},
             )
             raise error from err
+        # The SDK builds the message without validating it: a 2xx that is not a Messages API
+        # message (a proxy's page, say) would fail below with Python's words.
+        if not isinstance(message.content, list) or message.usage is None:
+            log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
+            raise LLMError(
+                "the model API answered something that is not a message", type="api_error"
+            )
         texts: list[str] = []
         calls: list[ToolCall] = []
         for block in message.content:

@@ -6,12 +6,18 @@ import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from app.domain import Message, ToolCall, ToolResult, durability_error
 from app.llm.anthropic import AnthropicLLMClient
 from app.llm.base import LLMError, ModelRequest, ToolSpec
+from app.serving import ThreadedServer
 from tests.support.fake_anthropic import FakeAnthropic
 
 ISSUE = ToolSpec(
@@ -315,3 +321,20 @@ async def test_broken_profile_still_constructs(
         await llm.aclose()
 
     assert response.text == "echo: offline"
+
+
+@pytest.mark.parametrize("answer", [{"hello": "world"}, {"content": [], "role": "assistant"}])
+async def test_a_2xx_that_is_not_a_message_is_a_model_error(answer: dict[str, Any]) -> None:
+    async def messages(request: Request) -> JSONResponse:
+        return JSONResponse(answer)
+
+    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+    with ThreadedServer(app, name="not-a-model") as server:
+        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=server.url)
+        try:
+            with pytest.raises(LLMError) as caught:
+                await llm.complete(request([Message.user("hi")]))
+        finally:
+            await llm.aclose()
+    assert caught.value.type == "api_error"
+    assert caught.value.message == "the model API answered something that is not a message"

@@ -26,10 +26,13 @@ def register_script(name: str, fn: Script) -> None:
 
 def unknown_script(model: str) -> str | None:
     """Why a `scripted:` model has no built-in script (None when it has, or is not scripted)."""
-    name = model.removeprefix(PREFIX)
-    if not model.startswith(PREFIX) or name in _SCRIPTS:
+    if not model.startswith(PREFIX) or model.removeprefix(PREFIX) in _SCRIPTS:
         return None
-    return f"unknown scripted model {model!r} (known: {', '.join(sorted(_SCRIPTS)) or 'none'})"
+    return _unknown(model, _SCRIPTS)
+
+
+def _unknown(model: str, scripts: Mapping[str, Script]) -> str:
+    return f"unknown scripted model {model!r} (known: {', '.join(sorted(scripts)) or 'none'})"
 
 
 class ScriptedLLMClient:
@@ -45,11 +48,7 @@ class ScriptedLLMClient:
         scripts = _SCRIPTS if self._scripts is None else self._scripts
         script = scripts.get(name) if request.model.startswith(PREFIX) else None
         if script is None:
-            known = ", ".join(sorted(scripts)) or "none"
-            raise LLMError(
-                f"unknown scripted model {request.model!r} (known: {known})",
-                type="invalid_request_error",
-            )
+            raise LLMError(_unknown(request.model, scripts), type="invalid_request_error")
         response = script(request)
         if response.usage.total == 0:
             response.usage = _estimate_usage(request, response)

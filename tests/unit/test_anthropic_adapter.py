@@ -221,15 +221,25 @@ async def test_sdk_retry_recovers_from_one_overload(fake: FakeAnthropic) -> None
     assert len(fake.requests) == 2
 
 
-async def test_retries_exhausted_raise_the_last_error(fake: FakeAnthropic) -> None:
-    llm = AnthropicLLMClient(max_retries=1, timeout_s=5, api_key="k", base_url=fake.url)
+async def failure(
+    base_url: str, *, max_retries: int = 0, timeout_s: float = 5, model: str = "echo"
+) -> LLMError:
+    """The LLMError a fresh client raises for one request to `base_url`."""
+    llm = AnthropicLLMClient(
+        max_retries=max_retries, timeout_s=timeout_s, api_key="k", base_url=base_url
+    )
     try:
         with pytest.raises(LLMError) as caught:
-            await llm.complete(request([Message.user("hi")], model="fail:529"))
+            await llm.complete(request([Message.user("hi")], model=model))
     finally:
         await llm.aclose()
+    return caught.value
 
-    assert (caught.value.type, caught.value.retryable) == ("overloaded_error", True)
+
+async def test_retries_exhausted_raise_the_last_error(fake: FakeAnthropic) -> None:
+    error = await failure(fake.url, max_retries=1, model="fail:529")
+
+    assert (error.type, error.retryable) == ("overloaded_error", True)
     assert len(fake.requests) == 2
 
 
@@ -238,28 +248,16 @@ async def test_connection_refused_is_a_connection_error() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     # Nothing listens on the port any more.
-    llm = AnthropicLLMClient(
-        max_retries=0, timeout_s=5, api_key="k", base_url=f"http://127.0.0.1:{port}"
-    )
-    try:
-        with pytest.raises(LLMError) as caught:
-            await llm.complete(request([Message.user("hi")]))
-    finally:
-        await llm.aclose()
+    error = await failure(f"http://127.0.0.1:{port}")
 
-    assert (caught.value.type, caught.value.retryable) == ("api_connection_error", True)
+    assert (error.type, error.retryable) == ("api_connection_error", True)
 
 
 async def test_slow_answer_is_a_timeout(fake: FakeAnthropic) -> None:
     fake.set_delay(2)
-    llm = AnthropicLLMClient(max_retries=0, timeout_s=0.2, api_key="k", base_url=fake.url)
-    try:
-        with pytest.raises(LLMError) as caught:
-            await llm.complete(request([Message.user("hi")]))
-    finally:
-        await llm.aclose()
+    error = await failure(fake.url, timeout_s=0.2)
 
-    assert (caught.value.type, caught.value.retryable) == ("api_timeout", True)
+    assert (error.type, error.retryable) == ("api_timeout", True)
 
 
 async def test_fake_rejects_tool_use_without_its_result(
@@ -330,11 +328,6 @@ async def test_a_2xx_that_is_not_a_message_is_a_model_error(answer: dict[str, An
 
     app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
     with ThreadedServer(app, name="not-a-model") as server:
-        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=server.url)
-        try:
-            with pytest.raises(LLMError) as caught:
-                await llm.complete(request([Message.user("hi")]))
-        finally:
-            await llm.aclose()
-    assert caught.value.type == "api_error"
-    assert caught.value.message == "the model API answered something that is not a message"
+        error = await failure(server.url)
+    assert error.type == "api_error"
+    assert error.message == "the model API answered something that is not a message"

@@ -119,14 +119,27 @@ class ValidationFailed(AppError):
     title = "Validation error"
 
 
-class DatabaseUnavailable(AppError):
-    code = "database_unavailable"
+class Unavailable(AppError):
+    """A 503: this replica cannot serve the request now; `Retry-After` says when to retry."""
+
     status = 503
-    title = "Database unavailable"
     retry_after_s = 2
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class DatabaseUnavailable(Unavailable):
+    code = "database_unavailable"
+    title = "Database unavailable"
+
+
+class SchemaOutOfDate(Unavailable):
+    """/readyz: the database's schema is not the newest migration this code knows."""
+
+    code = "schema_out_of_date"
+    title = "Schema out of date"
+    retry_after_s = 5
 
 
 class ConfigError(Exception):
@@ -154,9 +167,8 @@ class Unauthorized(AppError):
         return {"WWW-Authenticate": "Bearer"}
 
 
-class ShuttingDown(AppError):
+class ShuttingDown(Unavailable):
     code = "shutting_down"
-    status = 503
     title = "Shutting down"
     retry_after_s = 1
 
@@ -164,6 +176,3 @@ class ShuttingDown(AppError):
         self, detail: str = "This replica is shutting down and takes no new runs; retry elsewhere."
     ) -> None:
         super().__init__(detail)
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}

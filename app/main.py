@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from app.api import problems
 from app.api.auth import ApiKeys
-from app.api.deps import Lifecycle, Services, get_tenant
+from app.api.deps import Lifecycle, Services, get_tenant, refuse_nul
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
@@ -39,6 +40,22 @@ from app.tools.registry import load_registry
 def _operation_id(route: APIRoute) -> str:
     # Handlers are named verb_noun; that name is the stable operationId clients generate from.
     return route.name
+
+
+def _document_without_auth(app: FastAPI) -> None:
+    """Without API_KEYS no route takes a key, so /openapi.json must not ask a client for one
+    (a generated client would demand a token)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = generate()  # FastAPI builds it once and keeps it
+        for item in document["paths"].values():
+            for operation in item.values():
+                operation.pop("security", None)
+        document.get("components", {}).pop("securitySchemes", None)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to amend the document
 
 
 def build_ownership(db: Database, settings: Settings) -> Ownership:
@@ -107,6 +124,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         generate_unique_id_function=_operation_id,
         # A path the API does not have is 404, also with a trailing slash (not a redirect).
         redirect_slashes=False,
+        dependencies=[Depends(refuse_nul)],
     )
     problems.install(app)
     for module in (runs, sessions, agents):
@@ -115,5 +133,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     app.add_middleware(BodySizeLimit)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
+    if api_keys is None:
+        _document_without_auth(app)
     app.state.lifecycle = lifecycle
     return app

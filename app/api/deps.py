@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.auth import ApiKeys
@@ -81,6 +82,22 @@ RunServiceDep = Annotated[RunService, Depends(get_run_service)]
 SessionServiceDep = Annotated[SessionService, Depends(get_session_service)]
 RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
+
+
+def refuse_nul(request: Request) -> None:
+    """A path or query value holding NUL is invalid input (422), on every store alike:
+    PostgreSQL text cannot hold the character, so it must never reach a query."""
+    errors = [
+        {"loc": (where, name), "msg": "must not contain NUL characters", "type": "value_error"}
+        for where, items in (
+            ("path", request.path_params.items()),
+            ("query", request.query_params.multi_items()),
+        )
+        for name, value in items
+        if "\x00" in str(value)
+    ]
+    if errors:
+        raise RequestValidationError(errors)
 
 
 def accepting_runs(services: ServicesDep) -> None:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from app.errors import AppError, DatabaseUnavailable
 from app.schemas.common import Problem
@@ -76,7 +77,23 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+_HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
+
+def _allowed_methods(request: Request) -> str | None:
+    """The methods /openapi.json lists for the request's path, and HEAD wherever GET is
+    (Starlette's 405 names only the first route that matched, e.g. GET where DELETE is
+    served too); None for a path the document does not describe."""
+    methods: set[str] = set()
+    for template, item in request.app.openapi()["paths"].items():
+        if compile_path(template)[0].match(request.url.path):
+            methods |= {method.upper() for method in item if method in _HTTP_METHODS}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods)) or None
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400:
         # FastAPI's "error parsing the body" (bytes that are not UTF-8 JSON, nesting too deep):
@@ -88,12 +105,11 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
             detail="The request body is not valid JSON, or nests too deeply to read.",
         )
     code, title = _HTTP_CODES.get(exc.status_code, ("http_error", "HTTP error"))
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and (allowed := _allowed_methods(request)) is not None:
+        headers["Allow"] = allowed
     return problem_response(
-        status=exc.status_code,
-        code=code,
-        title=title,
-        detail=str(exc.detail),
-        headers=dict(exc.headers or {}),
+        status=exc.status_code, code=code, title=title, detail=str(exc.detail), headers=headers
     )
 
 

@@ -6,7 +6,7 @@ import base64
 import binascii
 import re
 from datetime import UTC, datetime
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -46,6 +46,16 @@ class Problem(BaseModel):
     )
 
 
+class Readiness(BaseModel):
+    """This replica can serve: the database answers at the newest migration."""
+
+    status: Literal["ready"]
+    schema_revision: str | None = Field(
+        serialization_alias="schema",
+        description="The schema's migration (null for the memory:// store).",
+    )
+
+
 class Page(BaseModel, Generic[T]):
     """A page of a list; pass `next_after` as `after` to get the next one."""
 
@@ -72,7 +82,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         padded = cursor + "=" * (-len(cursor) % 4)
         moment, _, key = base64.urlsafe_b64decode(padded).decode().partition("|")
         parsed = datetime.fromisoformat(moment)
-        if not key or parsed.tzinfo is None:
+        if not key or "\x00" in key or parsed.tzinfo is None:
             raise ValueError("not a cursor")
         return parsed.astimezone(UTC), key
     except (ValueError, OverflowError, binascii.Error, UnicodeDecodeError) as exc:

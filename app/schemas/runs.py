@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.domain import Message, RunStatus, SessionStatus
+from app.domain import Message, Role, RunStatus, SessionStatus
 from app.tools.base import AgentConfig, Tool
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -69,7 +69,7 @@ class ToolCallRead(BaseModel):
 
 class MessageRead(BaseModel):
     seq: int | None
-    role: str
+    role: Role
     content: str
     tool_calls: list[ToolCallRead]
     tool_call_id: str | None
@@ -83,7 +83,7 @@ class MessageRead(BaseModel):
         """The API shape of a domain message."""
         return cls(
             seq=message.seq,
-            role=message.role.value,
+            role=message.role,
             content=message.content,
             tool_calls=[ToolCallRead(**c.as_json()) for c in message.tool_calls],
             tool_call_id=message.tool_call_id,

@@ -204,20 +204,38 @@ async def test_unknown_path_and_wrong_method(client: httpx.AsyncClient) -> None:
     }
     assert_all(not_found, 404, "not_found")
 
+    # Allow names every method the path answers (RFC 9110 §15.5.6), HEAD wherever GET is.
+    allowed: dict[str, set[str]] = {}
     for method, path in [
         ("GET", "/v1/runs"),
         ("PUT", "/v1/runs"),
         ("DELETE", "/v1/runs/r-1"),
         ("POST", "/v1/sessions"),
         ("PATCH", "/v1/sessions/s-1"),
+        ("PUT", "/v1/sessions/s-1"),
         ("POST", "/v1/sessions/s-1/messages"),
         ("POST", "/v1/agents"),
         ("PUT", "/v1/agents/echo"),
         ("POST", "/healthz"),
+        ("POST", "/openapi.json"),
     ]:
         response = await client.request(method, path)
         assert_problem(response, 405, "method_not_allowed")
-        assert response.headers.get("allow"), f"{method} {path}: 405 without an Allow header"
+        allowed[f"{method} {path}"] = set(response.headers.get("allow", "").split(", "))
+    get_only = {"GET", "HEAD"}
+    assert allowed == {
+        "GET /v1/runs": {"POST"},
+        "PUT /v1/runs": {"POST"},
+        "DELETE /v1/runs/r-1": get_only,
+        "POST /v1/sessions": get_only,
+        "PATCH /v1/sessions/s-1": {"DELETE", "GET", "HEAD"},
+        "PUT /v1/sessions/s-1": {"DELETE", "GET", "HEAD"},
+        "POST /v1/sessions/s-1/messages": get_only,
+        "POST /v1/agents": get_only,
+        "PUT /v1/agents/echo": get_only,
+        "POST /healthz": get_only,
+        "POST /openapi.json": get_only,
+    }
 
 
 @pytest.mark.usefixtures("session")
@@ -294,6 +312,31 @@ async def test_hostile_values_never_answer_5xx(client: httpx.AsyncClient) -> Non
     outcomes["GET /v1/sessions"] = outcome(await client.get("/v1/sessions"))
 
     assert_no_server_errors(outcomes)
+
+
+@pytest.mark.usefixtures("session")
+async def test_nul_in_a_path_or_query_value_is_a_validation_error(
+    client: httpx.AsyncClient,
+) -> None:
+    # PostgreSQL text cannot hold NUL: such a value must be refused before any query, and
+    # alike on both stores (it was a 500 on PostgreSQL, a 404 or an empty page on SQLite).
+    with_nul = cursor("2024-01-01T00:00:00+00:00|s\x00-1")
+    outcomes = {
+        url: outcome(await client.get(url))
+        for url in [
+            "/v1/runs/%00",
+            "/v1/runs/r%00x",
+            "/v1/agents/echo%00",
+            "/v1/sessions?user_id=%00",
+            "/v1/sessions?agent=a%00b",
+            "/v1/sessions/s-1?user_id=u%00",
+            f"/v1/sessions?after={with_nul}",
+            f"/v1/sessions/s-1/runs?after={with_nul}",
+            "/v1/sessions/s-1/messages?after=1%00",
+        ]
+    }
+
+    assert_all(outcomes, 422, "validation_error")
 
 
 async def test_a_body_without_a_json_content_type_says_so(client: httpx.AsyncClient) -> None:

@@ -31,9 +31,10 @@ PROBLEM_REF = "#/components/schemas/Problem"
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
-async def fetch_openapi(agents_file: Path) -> Json:
+async def fetch_openapi(agents_file: Path, *, api_keys: str | None = None) -> Json:
     """GET /openapi.json of a freshly built app (the document needs no database)."""
-    app = create_app(Settings(database_url="memory://", agents_file=agents_file))
+    settings = Settings(database_url="memory://", agents_file=agents_file, api_keys=api_keys)
+    app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         response = await http.get("/openapi.json")
@@ -139,3 +140,32 @@ def test_document_is_valid_openapi(openapi: Json) -> None:
     validator = pytest.importorskip("openapi_spec_validator")
 
     validator.validate(openapi)
+
+
+async def test_a_key_is_asked_for_only_when_api_keys_is_set(
+    openapi: Json, agents_file: Path
+) -> None:
+    # A client generated from a document that declares auth demands a token, even where the
+    # service takes none.
+    assert "securitySchemes" not in openapi.get("components", {})
+    assert not [key for key, op in operations(openapi).items() if "security" in op]
+
+    keyed = await fetch_openapi(agents_file, api_keys="k1:t1")
+    schemes = keyed["components"]["securitySchemes"]
+    assert [s["scheme"] for s in schemes.values()] == ["bearer"]
+    secured = {key for key, op in operations(keyed).items() if op.get("security")}
+    assert secured == {key for key in OPERATIONS if key[1].startswith("/v1/")}
+
+
+def test_types_a_generated_client_relies_on(openapi: Json) -> None:
+    schemas = openapi["components"]["schemas"]
+    post = operations(openapi)[("post", "/v1/runs")]
+    (key,) = [p for p in post["parameters"] if p["name"] == "Idempotency-Key"]
+    # An optional header is absent or a string, never null (a client would send "None").
+    assert key["required"] is False
+    assert key["schema"]["type"] == "string" and "anyOf" not in key["schema"]
+    role = schemas["MessageRead"]["properties"]["role"]
+    assert schemas[role["$ref"].rsplit("/", 1)[-1]]["enum"] == ["user", "assistant", "tool"]
+    ready = operations(openapi)[("get", "/readyz")]["responses"]["200"]
+    ready_ref = ready["content"]["application/json"]["schema"]["$ref"]
+    assert set(schemas[ready_ref.rsplit("/", 1)[-1]]["required"]) == {"status", "schema"}

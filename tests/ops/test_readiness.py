@@ -82,6 +82,7 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
                 time.sleep(0.1)
             assert ready.status_code == 503, ready.text
             assert _problem_code(ready) == "database_unavailable"
+            assert ready.headers.get("retry-after"), "a 503 says when to retry"
 
             for session_id in ("during-outage-1", "during-outage-2"):
                 with timed(10, "POST /v1/runs during the outage"):
@@ -113,6 +114,7 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
             stale = client.get("/readyz")
             assert stale.status_code == 503, stale.text
             assert _problem_code(stale) == "schema_out_of_date"
+            assert stale.headers.get("retry-after"), "a 503 says when to retry"
 
     assert first_after.status_code == 200, (
         "/readyz answered 200 but the next durable run was refused: "

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
 from app.api.deps import ServicesDep
-from app.api.problems import problem_response, responses
+from app.api.problems import responses
 from app.db.migrate import current_revision
+from app.errors import DatabaseUnavailable, SchemaOutOfDate, ShuttingDown
+from app.schemas.common import Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -23,36 +23,25 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", responses=responses(503))
-async def readyz(services: ServicesDep) -> Any:
+async def readyz(services: ServicesDep) -> Readiness:
     """The database answers and its schema is at the newest migration."""
     if services.lifecycle.draining:
-        return problem_response(
-            status=503,
-            code="shutting_down",
-            title="Shutting down",
-            detail="This replica is shutting down.",
-        )
+        raise ShuttingDown("This replica is shutting down.")
     try:
         async with services.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
             revision = await current_revision(conn) if services.db.durable else None
         await services.runs.ownership.ping()
     except Exception as exc:
-        return problem_response(
-            status=503,
-            code="database_unavailable",
-            title="Database unavailable",
-            detail=f"The database cannot be reached ({type(exc).__name__}).",
-        )
+        raise DatabaseUnavailable(
+            f"The database cannot be reached ({type(exc).__name__})."
+        ) from exc
     if services.db.durable and revision != services.head_revision:
-        return problem_response(
-            status=503,
-            code="schema_out_of_date",
-            title="Schema out of date",
-            detail=f"The schema is at {revision!r}, not {services.head_revision!r}; "
-            "run `agent-runner migrate`.",
+        raise SchemaOutOfDate(
+            f"The schema is at {revision!r}, not {services.head_revision!r}; "
+            "run `agent-runner migrate`."
         )
-    return JSONResponse({"status": "ready", "schema": revision})
+    return Readiness(status="ready", schema_revision=revision)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -6,6 +6,7 @@ import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Response
+from pydantic import WithJsonSchema
 
 from app.api.deps import RunServiceDep, ServicesDep, TenantDep, accepting_runs, cut_off
 from app.api.problems import responses
@@ -13,15 +14,18 @@ from app.schemas.runs import RunCreate, RunRead
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
+KEY_PATTERN = r"^[\x21-\x7e]+$"
 IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
         min_length=1,
         max_length=255,
-        pattern=r"^[\x21-\x7e]+$",
+        pattern=KEY_PATTERN,
         description="Names one turn of the session: a retry replays or continues it.",
     ),
+    # An optional header is absent, never null: a generated client must not offer to send None.
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 255, "pattern": KEY_PATTERN}),
 ]
 
 

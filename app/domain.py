@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar, cast
+
+_T = TypeVar("_T")
+# What neither store can hold as text: NUL (PostgreSQL) and lone surrogates (not UTF-8).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(value: _T) -> _T:
+    """`value` (a string, or JSON of them) with what no store can hold as text replaced by
+    U+FFFD: used on what the model says, which is stored as it came."""
+    if isinstance(value, str):
+        return cast(_T, _UNSTORABLE.sub("\ufffd", value))
+    if isinstance(value, dict):
+        return cast(_T, {storable(k): storable(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return cast(_T, [storable(item) for item in value])
+    return value
 
 
 class Role(StrEnum):
@@ -111,8 +128,7 @@ class Message:
     @classmethod
     def assistant(cls, text: str, tool_calls: list[ToolCall] | None = None) -> Message:
         """An assistant message, optionally asking for tool calls."""
-        # Model text is stored as text; PostgreSQL text cannot hold NUL.
-        return cls(Role.ASSISTANT, text.replace("\x00", "\ufffd"), list(tool_calls or []))
+        return cls(Role.ASSISTANT, text, list(tool_calls or []))
 
     @classmethod
     def tool(cls, result: ToolResult) -> Message:

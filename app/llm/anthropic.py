@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import anthropic
 from anthropic import omit
 from anthropic.types import (
     AssistantMessageParam,
     MessageParam,
-    TextBlock,
     TextBlockParam,
     ToolParam,
     ToolResultBlockParam,
-    ToolUseBlock,
     ToolUseBlockParam,
     UserMessageParam,
 )
 
-from app.domain import Message, Role, ToolCall, Usage
+from app.domain import Message, Role, ToolCall, Usage, storable
 from app.llm.base import LLMError, ModelRequest, ModelResponse
 
 log = logging.getLogger(__name__)
@@ -74,6 +73,7 @@ class AnthropicLLMClient:
             # turns that into a regular 401 from the API.
             sdk.api_key = _PLACEHOLDER_API_KEY
         self._client = sdk
+        self._timeout_s = timeout_s
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Send one Messages API request and map the answer back to our types."""
@@ -82,14 +82,17 @@ class AnthropicLLMClient:
             for t in request.tools
         ]
         try:
-            message = await self._client.messages.create(
-                model=request.model,
-                max_tokens=request.max_tokens,
-                messages=to_api_messages(request.messages),
-                system=request.system if request.system else omit,
-                tools=tools if tools else omit,
-            )
-        except anthropic.AnthropicError as err:
+            # The SDK bounds each attempt, and sleeps as long as a 429's Retry-After says
+            # between them; the call as a whole, retries included, gets the same bound.
+            async with asyncio.timeout(self._timeout_s):
+                message = await self._client.messages.create(
+                    model=request.model,
+                    max_tokens=request.max_tokens,
+                    messages=to_api_messages(request.messages),
+                    system=request.system if request.system else omit,
+                    tools=tools if tools else omit,
+                )
+        except (anthropic.AnthropicError, TimeoutError) as err:
             error = _to_llm_error(err)
             # Type and status only: the error text may quote the request, which holds prompts.
             log.warning(
@@ -97,31 +100,75 @@ class AnthropicLLMClient:
                 extra={"error_type": error.type, "retryable": error.retryable},
             )
             raise error from err
-        # The SDK builds the message without validating it: a 2xx that is not a Messages API
-        # message (a proxy's page, say) would fail below with Python's words.
-        if not isinstance(message.content, list) or message.usage is None:
-            log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
-            raise LLMError(
-                "the model API answered something that is not a message", type="api_error"
-            )
-        texts: list[str] = []
-        calls: list[ToolCall] = []
-        for block in message.content:
-            if isinstance(block, TextBlock):
-                texts.append(block.text)
-            elif isinstance(block, ToolUseBlock):
-                calls.append(ToolCall(block.id, block.name, dict(block.input)))
-            # Other block kinds (thinking, server tools) carry nothing the runner uses.
-        return ModelResponse(
-            text="".join(texts),
-            tool_calls=calls,
-            usage=Usage(message.usage.input_tokens, message.usage.output_tokens),
-            stop_reason=message.stop_reason,
-        )
+        except ValueError as err:  # a 2xx whose body says JSON and is not
+            raise _not_a_message("its body is not JSON") from err
+        used_ids = {call.id for m in request.messages for call in m.tool_calls}
+        try:
+            return read_answer(message, used_ids=used_ids)
+        except _NotAMessage as err:
+            raise _not_a_message(str(err)) from err
 
     async def aclose(self) -> None:
         """Close the SDK's HTTP connections."""
         await self._client.close()
+
+
+def _not_a_message(why: str) -> LLMError:
+    log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
+    return LLMError(
+        f"The model API answered something that is not a valid message: {why}", type="api_error"
+    )
+
+
+class _NotAMessage(Exception):
+    """What is wrong with an answer (its shape only: never the model's words)."""
+
+
+def read_answer(message: Any, *, used_ids: set[str]) -> ModelResponse:
+    """The runner's view of a Messages API answer, or _NotAMessage.
+
+    The SDK builds the answer without validating it, so a 2xx that is not a message (a
+    proxy's page), a block of a type newer than the SDK, or a malformed tool call would
+    otherwise fail later with Python's words, or be stored and break the session's history.
+    A tool call must have a string id used nowhere else in the session (the API pairs
+    results by id, and the id is the tool's Idempotency-Key) and an object as its input.
+    Strings are made storable (see `storable`)."""
+    content = getattr(message, "content", None)
+    usage = getattr(message, "usage", None)
+    if not isinstance(content, list) or usage is None:
+        raise _NotAMessage("no content list or no usage")
+    tokens = (getattr(usage, "input_tokens", None), getattr(usage, "output_tokens", None))
+    if not all(type(n) is int and n >= 0 for n in tokens):
+        raise _NotAMessage("usage is not two token counts")
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for block in content:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            text = getattr(block, "text", None)
+            if not isinstance(text, str):
+                raise _NotAMessage("a text block without text")
+            texts.append(storable(text))
+        elif kind == "tool_use":
+            call_id, name = getattr(block, "id", None), getattr(block, "name", None)
+            arguments = getattr(block, "input", None)
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+                raise _NotAMessage("a tool_use block without a string id and name")
+            if not isinstance(arguments, dict):
+                raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
+            call = ToolCall(storable(call_id), storable(name), storable(arguments))
+            if call.id in used_ids:
+                raise _NotAMessage(f"tool_use id {call.id!r} is used twice in the session")
+            used_ids.add(call.id)
+            calls.append(call)
+        # Other kinds (thinking, server tools, kinds newer than the SDK) carry nothing the
+        # runner uses.
+    return ModelResponse(
+        text="".join(texts),
+        tool_calls=calls,
+        usage=Usage(*tokens),  # type: ignore[arg-type]  # checked above: two ints
+        stop_reason=getattr(message, "stop_reason", None),
+    )
 
 
 def to_api_messages(history: list[Message]) -> list[MessageParam]:
@@ -170,9 +217,9 @@ def _to_blocks(message: Message) -> tuple[_ApiRole, list[_Block]]:
     return "assistant", blocks
 
 
-def _to_llm_error(err: anthropic.AnthropicError) -> LLMError:
+def _to_llm_error(err: anthropic.AnthropicError | TimeoutError) -> LLMError:
     """Name an SDK failure; `retryable` mirrors the SDK's own retry policy."""
-    if isinstance(err, anthropic.APITimeoutError):
+    if isinstance(err, anthropic.APITimeoutError | TimeoutError):
         return LLMError("The model call timed out.", type="api_timeout", retryable=True)
     if isinstance(err, anthropic.APIConnectionError):
         return LLMError(

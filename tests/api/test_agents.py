@@ -15,6 +15,7 @@ AGENTS = [
     "ten-steps",
     "triage",
     "two-steps",
+    "unstorable",
 ]
 TOOL_FIELDS = {"name", "description", "input_schema", "safe_to_retry"}
 

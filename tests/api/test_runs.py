@@ -167,3 +167,22 @@ async def test_a_tool_call_cut_off_by_max_tokens_is_never_made(
         assert body["usage"]["output_tokens"] > 0  # the answer was paid for all the same
     assert tool_server.invocations == []
     assert (await get_ok(client, "/v1/sessions/cut-off/messages"))["data"] == []
+
+
+async def test_text_the_stores_cannot_hold_is_stored_replaced(
+    client: httpx.AsyncClient, tool_server: ToolServer
+) -> None:
+    # A NUL (PostgreSQL text) or a lone surrogate (no UTF-8 form) from the model was a 500
+    # after the tool had run, and lost the turn: each is stored as U+FFFD instead.
+    body = await run(client, "unstorable", "look it up", session_id="odd")
+
+    assert body["status"] == "complete", body
+    assert body["response"].endswith(" \ufffd\ufffd")
+    assert [m["content"] for m in body["messages"] if m["role"] == "assistant"] == [
+        "step 1 \ufffd\ufffd",
+        body["response"],
+    ]
+    assert body["messages"][1]["tool_calls"][0]["arguments"] == {"id": "id-1 \ufffd\ufffd"}
+    assert [i.body for i in tool_server.invocations] == [{"id": "id-1 \ufffd\ufffd"}]
+    assert (await get_ok(client, "/v1/sessions/odd/messages"))["data"] == body["messages"]
+    assert (await get_ok(client, f"/v1/runs/{body['run_id']}"))["response"] == body["response"]

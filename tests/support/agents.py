@@ -47,6 +47,9 @@ agents:
   cut-off:
     model: "cutoff:post_slack"
     tools: [post_slack]
+  unstorable:
+    model: "unstorable:get_issue"
+    tools: [get_issue]
 """
 
 

@@ -8,6 +8,8 @@ crashed-and-resumed run gets consistent answers:
 * `steps:<n>:<tool>`: n steps each calling <tool> once, then a final summary.
 * `fail:<status>`: always that error (529 overloaded_error, 429 rate_limit_error, ...).
 * `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`).
+* `unstorable:<plan>`: as `plan:<plan>`, with a NUL and a lone surrogate (neither storable
+  as text) ending every text and every string of the tool inputs.
 
 The summary is `done after N steps; errors: <names>; durability errors: <call ids>` (lists
 joined by ","): N counts this turn's assistant messages; `errors` names the tools whose results
@@ -33,7 +35,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.serving import ThreadedServer
@@ -284,8 +286,9 @@ def _kind(block: Any) -> Any:
 
 def parse_steps(model: str) -> list[list[str]] | None:
     """The tool names of each step for `plan:`/`steps:` models; None for echo."""
-    if model.startswith("plan:"):
-        steps = [[n.strip() for n in s.split(",") if n.strip()] for s in model[5:].split(";")]
+    if model.startswith(("plan:", "unstorable:")):
+        plan = model.partition(":")[2]
+        steps = [[n.strip() for n in s.split(",") if n.strip()] for s in plan.split(";")]
         return [s for s in steps if s]
     if model.startswith("steps:"):
         count, _, tool = model[6:].partition(":")
@@ -320,6 +323,8 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
         stop = "tool_use"
     else:
         content, stop = [{"type": "text", "text": _summary(messages, start, k)}], "end_turn"
+    if body["model"].startswith("unstorable:"):
+        content = [_unstorable(block) for block in content]
     out_chars = sum(
         len(b["text"]) if b["type"] == "text" else len(json.dumps(b["input"])) for b in content
     )
@@ -336,6 +341,22 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": out_chars // 4 + 1,
         },
     }
+
+
+def _unstorable(block: dict[str, Any]) -> dict[str, Any]:
+    """The block with its text, or every string of its input, ending in NUL and a lone
+    surrogate."""
+
+    def spoil(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: spoil(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [spoil(item) for item in value]
+        return value + " \x00\ud800" if isinstance(value, str) else value
+
+    if block["type"] == "text":
+        return {**block, "text": spoil(block["text"])}
+    return {**block, "input": spoil(block["input"])}
 
 
 def _current_turn(messages: list[dict[str, Any]]) -> tuple[int, str]:
@@ -411,7 +432,7 @@ def _is_durability_error(content: Any) -> bool:
 def build_app(state: FakeState) -> Starlette:
     """The Starlette app: `POST /v1/messages` plus the `/_...` control endpoints."""
 
-    async def create_message(request: Request) -> JSONResponse:
+    async def create_message(request: Request) -> Response:
         try:
             body = await request.json()
         except ValueError:
@@ -434,7 +455,9 @@ def build_app(state: FakeState) -> Starlette:
             text = _ERROR_TEXT.get(kind, f"fake {kind}")
             return error_response(status, kind, text, retry_after_ms=state.retry_after_ms)
         headers = {"request-id": "req_" + secrets.token_hex(12)}
-        return JSONResponse(scenario_reply(body), headers=headers)
+        # JSON with \u escapes: a lone surrogate has no UTF-8 form, but the API may send one.
+        reply = json.dumps(scenario_reply(body)).encode()
+        return Response(reply, media_type="application/json", headers=headers)
 
     async def list_requests(request: Request) -> JSONResponse:
         return JSONResponse(state.requests)

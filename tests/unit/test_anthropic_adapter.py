@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.domain import Message, ToolCall, ToolResult, durability_error
@@ -321,13 +323,126 @@ async def test_broken_profile_still_constructs(
     assert response.text == "echo: offline"
 
 
-@pytest.mark.parametrize("answer", [{"hello": "world"}, {"content": [], "role": "assistant"}])
-async def test_a_2xx_that_is_not_a_message_is_a_model_error(answer: dict[str, Any]) -> None:
-    async def messages(request: Request) -> JSONResponse:
-        return JSONResponse(answer)
+USAGE = {"input_tokens": 3, "output_tokens": 4}
+
+
+def answer(*blocks: Any, usage: Any = USAGE) -> bytes:
+    """A Messages API answer holding these content blocks."""
+    body: dict[str, Any] = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m"}
+    body |= {"content": list(blocks), "stop_reason": "end_turn", "usage": usage}
+    return json.dumps(body).encode()
+
+
+def tool_use(call_id: Any = "toolu_1", name: Any = "get_issue", arguments: Any = None) -> Any:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": arguments or {"id": "1"}}
+
+
+@contextmanager
+def model_answering(body: bytes, content_type: str = "application/json") -> Iterator[str]:
+    """A model API whose every answer is 200 with this body; its base URL."""
+
+    async def messages(_: Request) -> Response:
+        return Response(body, media_type=content_type)
 
     app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
-    with ThreadedServer(app, name="not-a-model") as server:
-        error = await failure(server.url)
+    with ThreadedServer(app, name="odd-model") as server:
+        yield server.url
+
+
+NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
+    "other-object": (b'{"hello": "world"}', "application/json"),
+    "no-usage": (b'{"content": [], "role": "assistant"}', "application/json"),
+    "array": (b"[1, 2, 3]", "application/json"),
+    "null": (b"null", "application/json"),
+    "plain-text": (b"hello", "text/plain"),
+    "html-said-json": (b"<html>502</html>", "application/json"),
+    "usage-null": (answer(usage={"input_tokens": None, "output_tokens": 1}), "application/json"),
+    "usage-strings": (
+        answer(usage={"input_tokens": "3", "output_tokens": "4"}),
+        "application/json",
+    ),
+    "usage-negative": (answer(usage={"input_tokens": -5, "output_tokens": 1}), "application/json"),
+    "usage-float": (answer(usage={"input_tokens": 1.5, "output_tokens": 1}), "application/json"),
+    "text-not-string": (answer({"type": "text", "text": 123}), "application/json"),
+    "call-id-int": (answer(tool_use(call_id=123)), "application/json"),
+    "call-id-empty": (answer(tool_use(call_id="")), "application/json"),
+    "call-without-name": (answer(tool_use(name=None)), "application/json"),
+    "input-pairs": (answer(tool_use(arguments=[["x", "y"]])), "application/json"),
+    "input-number": (answer(tool_use(arguments=42)), "application/json"),
+    "same-id-twice": (answer(tool_use(), tool_use(arguments={"id": "2"})), "application/json"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_MESSAGES)
+async def test_a_2xx_that_is_not_a_valid_message_is_an_api_error(case: str) -> None:
+    # The SDK builds whatever came without validating it: each of these once ended the run
+    # with Python's words, ran a tool on arguments the model never sent, or stored a call
+    # that broke every later read or turn of the session.
+    with model_answering(*NOT_MESSAGES[case]) as url:
+        error = await failure(url)
+
     assert error.type == "api_error"
-    assert error.message == "the model API answered something that is not a message"
+    assert error.message.startswith(
+        "The model API answered something that is not a valid message: "
+    ), error.message
+
+
+async def test_a_call_id_the_session_used_before_is_an_api_error() -> None:
+    # The id is the tool's Idempotency-Key: a second call under it would be deduplicated
+    # away downstream, and the API refuses a history with two results for one id.
+    earlier = ToolCall("toolu_1", "get_issue", {"id": "0"})
+    history = [
+        Message.user("a"),
+        Message.assistant("", [earlier]),
+        Message.tool(ToolResult.ok(earlier, {})),
+        Message.user("b"),
+    ]
+    with model_answering(answer(tool_use("toolu_1"))) as url:
+        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
+        try:
+            with pytest.raises(LLMError) as caught:
+                await llm.complete(request(history, tools=[ISSUE]))
+        finally:
+            await llm.aclose()
+
+    assert caught.value.type == "api_error"
+    assert "toolu_1" in caught.value.message
+
+
+async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -> None:
+    body = answer(
+        {"type": "text", "text": "before \x00 "},
+        {"type": "container_upload_v9", "file_id": "f"},  # newer than the SDK
+        {"type": "thinking", "thinking": "hm", "signature": "s"},
+        {"type": "text", "text": "after \ud800"},
+        tool_use("toolu_\x00", "get_\udfff", {"id\x00": ["\ud83d", "ok \U0001f600"]}),
+    )
+    with model_answering(body) as url:
+        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
+        try:
+            response = await llm.complete(request([Message.user("hi")], tools=[ISSUE]))
+        finally:
+            await llm.aclose()
+
+    # NUL (PostgreSQL text) and lone surrogates (not UTF-8) cannot be stored: U+FFFD.
+    assert response.text == "before \ufffd after \ufffd"
+    assert response.tool_calls == [
+        ToolCall("toolu_\ufffd", "get_\ufffd", {"id\ufffd": ["\ufffd", "ok \U0001f600"]})
+    ]
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 4)
+
+
+async def test_the_timeout_bounds_the_whole_call_with_its_retries() -> None:
+    # A 429 asking to wait 100 s: the SDK would sleep that long before each retry.
+    async def messages(_: Request) -> Response:
+        body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+        return JSONResponse(body, status_code=429, headers={"retry-after": "100"})
+
+    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+    with ThreadedServer(app, name="slow-429") as server:
+        started = time.monotonic()
+        error = await failure(server.url, max_retries=2, timeout_s=1)
+        took = time.monotonic() - started
+
+    assert error.type == "api_timeout"
+    assert took < 10, f"the call took {took:.1f} s against a 1 s timeout"

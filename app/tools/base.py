@@ -47,6 +47,7 @@ class Tool:
     parallel: bool = False
     kind: str = "python"  # "python" or "http"
     target: str = ""  # dotted path or URL, for display
+    timeout_s: float | None = None  # how long a call may take (None: the handler's own bound)
 
     @property
     def spec(self) -> ToolSpec:

@@ -20,7 +20,7 @@ def load_python_handler(target: str) -> ToolHandler:
         raise TargetError(f"python target {target!r} must look like 'module.path:attr'")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of configured code is a config error
+    except (Exception, SystemExit) as exc:  # any failure of configured code at import
         raise TargetError(
             f"python target {target!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
         ) from exc

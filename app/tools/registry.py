@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -15,6 +16,9 @@ import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, best_match
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from app.domain import ToolCall, ToolResult
 from app.errors import AgentNotFound, ConfigError
@@ -28,6 +32,11 @@ log = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DEFAULT_INPUT_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
 BUILTIN_AGENTS_FILE = "agents/examples.yaml"
+# RFC 9110 field names (tokens) and the values httpx can send (no CR, LF or NUL).
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+# How long a python tool may take unless its entry sets timeout_s.
+PYTHON_TIMEOUT_S = 60.0
 # jsonschema messages quote the offending value, which can be arbitrarily large.
 MAX_ERROR_CHARS = 500
 
@@ -47,7 +56,7 @@ class ToolRegistry:
         self._http = http or SharedHttpClient()
         # Compiled once here, not per call: validator construction resolves the schema.
         self._validators = {
-            name: Draft202012Validator(tool.input_schema) for name, tool in self.tools.items()
+            name: _validator(tool.input_schema) for name, tool in self.tools.items()
         }
 
     def agent(self, name: str) -> AgentConfig:
@@ -77,13 +86,24 @@ class ToolRegistry:
             return ToolResult.error(call, problem)
         extra = {"tool_name": call.name, "tool_call_id": call.id, "run_id": ctx.run_id}
         try:
-            value = await tool.handler(call.arguments, ctx)
+            async with asyncio.timeout(tool.timeout_s) as deadline:
+                value = await tool.handler(call.arguments, ctx)
         except ToolFailed as exc:
-            # The error text can carry a downstream body: not at INFO (the model reads it).
+            # The error text can carry a downstream body, which is never logged.
             log.info("tool failed", extra=extra)
-            log.debug("tool failure detail: %s", exc, extra=extra)
             return ToolResult.error(call, str(exc) or "tool failed")
-        except Exception as exc:  # a handler bug must not end the run; the model reads it
+        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and _cancelled():
+                raise  # the run itself is being cancelled, not a handler failing
+            if isinstance(exc, TimeoutError) and deadline.expired():
+                log.warning("tool timed out", extra=extra)
+                return ToolResult.error(
+                    call,
+                    f"tool {call.name!r} did not finish within {tool.timeout_s:g}s and was"
+                    " stopped; it may or may not have taken effect",
+                )
+            # A handler bug (even one raising SystemExit or CancelledError of its own) must
+            # not end the run; the model reads it.
             log.warning("tool handler raised", exc_info=True, extra=extra)
             message = str(exc)
             name = type(exc).__name__
@@ -91,7 +111,7 @@ class ToolRegistry:
         try:
             # allow_nan=False: NaN/Infinity would pass json.dumps but are not valid JSON.
             json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             log.warning("tool returned a non-JSON value", extra=extra)
             return ToolResult.error(
                 call, f"tool {call.name!r} returned a value that is not JSON-serialisable: {exc}"
@@ -101,7 +121,7 @@ class ToolRegistry:
     def _invalid_arguments(self, tool: Tool, call: ToolCall) -> str | None:
         validator = self._validators.get(tool.name)
         if validator is None:  # a tool added to `tools` after construction
-            validator = self._validators[tool.name] = Draft202012Validator(tool.input_schema)
+            validator = self._validators[tool.name] = _validator(tool.input_schema)
         try:
             error = best_match(validator.iter_errors(call.arguments))
         except Exception as exc:  # a broken schema must not make execute() raise
@@ -116,6 +136,40 @@ class ToolRegistry:
     async def aclose(self) -> None:
         """Close the shared HTTP client."""
         await self._http.aclose()
+
+
+def _validator(schema: dict[str, Any]) -> Draft202012Validator:
+    """A validator resolving `$ref`s inside the schema only: without a registry of its own,
+    jsonschema fetches remote references over the network at validation time, blocking the
+    event loop."""
+    return Draft202012Validator(schema, registry=Registry())
+
+
+def _unresolvable_refs(schema: dict[str, Any]) -> list[str]:
+    """The `$ref`s of the schema that do not point inside it."""
+    resolver = Registry().resolver_with_root(DRAFT202012.create_resource(schema))
+    unresolvable = []
+    for ref in _refs(schema):
+        try:
+            resolver.lookup(ref)
+        except Unresolvable:
+            unresolvable.append(ref)
+    return unresolvable
+
+
+def _refs(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        own = [value["$ref"]] if isinstance(value.get("$ref"), str) else []
+        return own + [ref for child in value.values() for ref in _refs(child)]
+    if isinstance(value, list):
+        return [ref for child in value for ref in _refs(child)]
+    return []
+
+
+def _cancelled() -> bool:
+    """Whether this task has been asked to stop (not merely seen a CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _truncate(text: str, limit: int) -> str:
@@ -142,6 +196,7 @@ class ToolEntry(_Strict):
     parallel: bool = False
     http: HttpTarget | None = None
     python: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)  # python tools; http has its own
 
 
 class AgentEntry(_Strict):
@@ -269,6 +324,9 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
     if entry.http is not None:
         handler = _http_handler(entry.http, http)
         kind, target, default_description = "http", entry.http.url, None
+        if entry.timeout_s is not None:
+            raise _Problem("timeout_s is for python tools; an http tool sets http.timeout_s")
+        timeout_s = None  # the handler bounds its own exchange
     else:
         assert entry.python is not None  # the exactly-one check above
         try:
@@ -276,6 +334,7 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
         except TargetError as exc:
             raise _Problem(str(exc)) from exc
         kind, target, default_description = "python", entry.python, description_of(handler)
+        timeout_s = entry.timeout_s or PYTHON_TIMEOUT_S
     return Tool(
         name=name,
         description=entry.description or default_description or name,
@@ -285,6 +344,7 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
         parallel=entry.parallel,
         kind=kind,
         target=target,
+        timeout_s=timeout_s,
     )
 
 
@@ -304,6 +364,11 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     # The Messages API requires tool input to be an object; anything else is rejected there.
     if schema.get("type") != "object":
         raise _Problem("input_schema must have type: object")
+    if unresolvable := _unresolvable_refs(schema):
+        raise _Problem(
+            f"input_schema: $ref {unresolvable[0]!r} does not point inside the schema"
+            " (references to other documents are not fetched)"
+        )
     return schema
 
 
@@ -317,6 +382,11 @@ def _http_handler(target: HttpTarget, http: SharedHttpClient) -> HttpToolHandler
     headers = target.headers or {}
     if any(key.lower() == "idempotency-key" for key in headers):
         raise _Problem("http.headers must not set Idempotency-Key; the runner sets it per call")
+    for key, value in headers.items():
+        if not HEADER_NAME.fullmatch(key):
+            raise _Problem(f"http.headers: {key!r} is not a valid header name")
+        if not HEADER_VALUE.fullmatch(value):  # the value may be a secret: not quoted
+            raise _Problem(f"http.headers: the value of {key!r} must be printable ASCII")
     return HttpToolHandler(target.url, client=http, timeout_s=target.timeout_s, headers=headers)
 
 

@@ -19,6 +19,7 @@ from app.tools.registry import ToolRegistry, load_registry
 
 CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_1")
 HERE = "tests.unit.test_registry"
+PING = f'python: "{HERE}:Namespace.ping"'
 
 
 # --- python targets referenced by the YAML below ------------------------------------------------
@@ -264,6 +265,14 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
         ("{type: string}", "input_schema must have type: object"),
         ("{properties: {a: {type: string}}}", "input_schema must have type: object"),
         ("[1, 2]", "input_schema: Input should be a valid dictionary"),
+        (
+            '{type: object, properties: {x: {$ref: "http://127.0.0.1:9/s.json"}}}',
+            "input_schema: $ref 'http://127.0.0.1:9/s.json' does not point inside the schema",
+        ),
+        (
+            '{type: object, properties: {x: {$ref: "#/$defs/missing"}}}',
+            "input_schema: $ref '#/$defs/missing' does not point inside the schema",
+        ),
     ],
 )
 def test_invalid_input_schema(tmp_path: Path, schema: str, problem: str) -> None:
@@ -298,6 +307,20 @@ def test_bad_python_target(tmp_path: Path, target: str, problem: str) -> None:
     assert problem in message
 
 
+def test_references_inside_the_schema_resolve(tmp_path: Path) -> None:
+    schema = '{type: object, properties: {x: {$ref: "#/$defs/id"}}, $defs: {id: {type: string}}}'
+    registry = load_registry(write(tmp_path, tool_yaml(f"input_schema: {schema}\n{PING}")))
+    assert registry.tools["x"].input_schema["$defs"] == {"id": {"type": "string"}}
+
+
+def test_a_python_module_exiting_on_import_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(tmp_path))
+        message = config_error(tmp_path, tool_yaml('python: "exits_on_import:tool"'))
+    assert "cannot import 'exits_on_import': SystemExit: 0" in message
+
+
 def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
     registry = load_registry(write(tmp_path, tool_yaml(f'python: "{HERE}:Namespace.ping"')))
     assert registry.tools["x"].description == "Ping."
@@ -319,6 +342,18 @@ def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
         (
             '{url: "http://h", headers: {X-N: 1}}',
             "http.headers.X-N: Input should be a valid string",
+        ),
+        (
+            '{url: "http://h", headers: {"X A": v}}',
+            "http.headers: 'X A' is not a valid header name",
+        ),
+        (
+            '{url: "http://h", headers: {X-A: "a\\r\\nb"}}',
+            "http.headers: the value of 'X-A' must be printable ASCII",
+        ),
+        (
+            '{url: "http://h", headers: {X-A: "é✓"}}',
+            "http.headers: the value of 'X-A' must be printable ASCII",
         ),
     ],
 )
@@ -551,10 +586,67 @@ async def test_non_serialisable_return_value(value: Any) -> None:
     assert error_of(result).startswith("tool 't' returned a value that is not JSON-serialisable")
 
 
-async def test_cancellation_propagates() -> None:
-    registry = make_registry(Recorder(raises=asyncio.CancelledError()))
-    with pytest.raises(asyncio.CancelledError):
-        await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (asyncio.CancelledError(), "CancelledError"),
+        (SystemExit(3), "SystemExit: 3"),
+        (KeyboardInterrupt(), "KeyboardInterrupt"),
+    ],
+)
+async def test_a_handler_raising_what_ends_tasks_is_an_error_result(
+    exc: BaseException, expected: str
+) -> None:
+    # Raised by the handler while nobody cancels the run: a handler bug like any other (it
+    # was a 500 that left the run `running` and its call to be repaired as if lost).
+    registry = make_registry(Recorder(raises=exc))
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result) == expected
+
+
+async def test_a_result_nested_too_deep_to_serialise_is_an_error_result() -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    registry = make_registry(Recorder(deep))
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result).startswith("tool 't' returned a value that is not JSON-serialisable")
+
+
+async def test_a_python_tool_past_its_timeout_is_stopped() -> None:
+    stopped = asyncio.Event()
+
+    async def never(arguments: dict[str, Any], ctx: ToolContext) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            stopped.set()
+
+    tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=never, timeout_s=0.05)
+    registry = ToolRegistry({"t": tool}, {})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    assert error_of(result) == (
+        "tool 't' did not finish within 0.05s and was stopped; it may or may not have taken effect"
+    )
+    assert stopped.is_set()
+
+
+def test_python_tools_time_out_after_60_s_unless_set(tmp_path: Path) -> None:
+    text = f"""\
+        tools:
+          default: {{python: "{HERE}:documented_tool"}}
+          set: {{python: "{HERE}:documented_tool", timeout_s: 0.5}}
+          web: {{http: {{url: "http://h", timeout_s: 3}}}}
+        agents: {{}}
+        """
+    tools = load_registry(write(tmp_path, text)).tools
+    assert (tools["default"].timeout_s, tools["set"].timeout_s, tools["web"].timeout_s) == (
+        60,
+        0.5,
+        None,  # the HTTP handler bounds its exchange by http.timeout_s
+    )
+    message = config_error(tmp_path, tool_yaml('http: {url: "http://h"}\ntimeout_s: 5'))
+    assert "timeout_s is for python tools; an http tool sets http.timeout_s" in message
 
 
 async def test_cancelling_a_running_handler_propagates() -> None:

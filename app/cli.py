@@ -10,6 +10,8 @@ import click
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from app.api.deps import Lifecycle
 from app.db.migrate import upgrade
@@ -26,9 +28,23 @@ def _settings() -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        raise click.ClickException(f"invalid environment: {exc}") from exc
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise click.ClickException(f"invalid environment: {problems}") from None
     configure_logging(settings.log_level, settings.log_format)
     return settings
+
+
+def _upgrade(database_url: str) -> None:
+    """Upgrade the schema, or stop with one line saying why the database cannot be used."""
+    try:
+        upgrade(database_url)
+    except (DBAPIError, OSError) as exc:
+        cause = exc.orig if isinstance(exc, DBAPIError) else exc
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        shown = make_url(database_url).render_as_string(hide_password=True)
+        raise click.ClickException(f"cannot use the database {shown}: {reason}") from None
 
 
 class DrainingServer(uvicorn.Server):
@@ -68,7 +84,7 @@ def serve(host: str, port: int) -> None:
         lock_file = serving_lock_file(settings.database_url)
         if lock_file is not None:  # say so now, not in a traceback from the app's start-up
             os.close(take_serving_lock(lock_file))
-        upgrade(settings.database_url)
+        _upgrade(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     config = uvicorn.Config(
@@ -92,7 +108,7 @@ def migrate() -> None:
     """Upgrade the schema to the newest migration and exit."""
     settings = _settings()
     try:
-        upgrade(settings.database_url)
+        _upgrade(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo("schema is at the newest migration")

@@ -163,7 +163,14 @@ def serving_lock_file(database_url: str) -> Path | None:
 
 def take_serving_lock(lock_file: Path) -> int:
     """Lock the file for this process (an fd to keep open), or ConfigError if another has it."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        # As `migrate` does: the database's folder is made if missing.
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot use the SQLite database beside {lock_file}: {exc.strerror}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

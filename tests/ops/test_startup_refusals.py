@@ -28,16 +28,49 @@ def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: P
     assert "Traceback" not in logs
 
 
-def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
-    server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'level.db'}",
-        log_path=tmp_path / "server.log",
-        env={"LOG_LEVEL": "verbose"},
-    )
+def refusal(tmp_path: Path, database_url: str, env: dict[str, str] | None = None) -> str:
+    """The log of a `serve` that must refuse to start."""
+    server = ServerProcess(database_url=database_url, log_path=tmp_path / "server.log", env=env)
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             server.start(timeout=20)
     finally:
         server.kill()  # had it started
-    assert "log_level" in server.logs().lower()
-    assert "Traceback" not in server.logs()
+    logs = server.logs()
+    assert "Traceback" not in logs, logs
+    return logs
+
+
+def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'level.db'}", {"LOG_LEVEL": "verbose"})
+    assert "invalid environment: LOG_LEVEL: Input should be" in logs, logs
+
+
+def test_values_of_the_wrong_type_are_named_one_line_each(tmp_path: Path) -> None:
+    env = {"ANTHROPIC_TIMEOUT_S": "abc", "LOG_FORMAT": "xml"}
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'types.db'}", env)
+    assert "invalid environment: ANTHROPIC_TIMEOUT_S: Input should be a valid number" in logs
+    assert "; LOG_FORMAT: Input should be 'json' or 'text'" in logs, logs
+
+
+def test_a_database_that_cannot_be_used_is_named_in_one_line(
+    tmp_path: Path, database_url: str
+) -> None:
+    if database_url.startswith("sqlite"):
+        (tmp_path / "folder.db").mkdir()
+        unusable = f"sqlite:///{tmp_path / 'folder.db'}"
+        reason = "unable to open database file"
+    else:
+        unusable = f"{database_url.rsplit('/', 1)[0]}/no_such_database_here"
+        reason = 'database "no_such_database_here" does not exist'
+    logs = refusal(tmp_path, unusable)
+    assert f"Error: cannot use the database {unusable}: {reason}" in logs, logs
+
+
+def test_a_database_in_a_folder_not_made_yet_is_served(tmp_path: Path) -> None:
+    # As `migrate` does, `serve` makes the SQLite file's folder (it failed on its lock file).
+    database = tmp_path / "not" / "yet" / "x.db"
+    server = ServerProcess(database_url=f"sqlite:///{database}", log_path=tmp_path / "s.log")
+    with server, server.client() as client:
+        assert client.get("/readyz").status_code == 200
+    assert database.exists()

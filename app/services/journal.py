@@ -72,10 +72,11 @@ class Journal:
     """Stateless runs: the same calls, nothing written; every message of the turn still
     names its run (`run_id`), here for both kinds of journal."""
 
-    async def record_start(
-        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        """Start of a turn: the run, results for orphaned calls, runs found dead."""
+    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
+        """Start of a turn: the run, and the runs found dead (their runners died)."""
+
+    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+        """Results for the calls orphaned by a dead run, all in one write."""
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
@@ -116,19 +117,16 @@ class DurableJournal(Journal):
         self._ownership = ownership
         self._metrics = metrics
 
-    async def record_start(
-        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        kind = "repair" if repairs or interrupted else "start"
+    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
         new_run, run_values = None, None
         if turn.run_stored:  # a continued turn runs again
             run_values = {"status": RunStatus.RUNNING.value, "finished_at": None}
         else:
             new_run = self._new_run(turn)
-        with self._metrics.write(kind):
+        with self._metrics.write("start"):
             await self._write(
                 turn,
-                repairs,
+                [],
                 touch=True,
                 new_run=new_run,
                 run_values=run_values,
@@ -136,6 +134,10 @@ class DurableJournal(Journal):
             )
         turn.run_stored = True
         turn.stored_progress = turn.progress()
+
+    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+        with self._metrics.write("repair"):
+            await self._write(turn, repairs, touch=False)
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         self._stamp(turn, [assistant])

@@ -209,13 +209,17 @@ class RunService:
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
         journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
-        repairs = await self.runner.repairs(turn, history, agent)
+        # The run is stored, and the dead runs end, before any repair re-runs a tool (which
+        # may take a while): meanwhile a 409 names this run, and no dead run looks alive.
         interrupted = [r for r in unfinished if r != turn.run_id]
-        await journal.record_start(turn, repairs, interrupted)
+        await journal.record_start(turn, interrupted)
         if interrupted:  # their runners died: this is where they end
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
         assert turn.session_id is not None
         self.ownership.active.confirm(turn.session_id, turn.run_id)
+        repairs = await self.runner.repairs(turn, history, agent)
+        if repairs:
+            await journal.record_repairs(turn, repairs)
         history.extend(repairs)
         if earlier is not None:
             turn.messages = [m for m in history if m.run_id == turn.run_id]

@@ -12,6 +12,7 @@ AGENTS = [
     "echo",
     "overloaded",
     "slow",
+    "slow-read",
     "ten-steps",
     "triage",
     "two-steps",

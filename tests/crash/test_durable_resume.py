@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,4 +237,44 @@ def test_example_support_agent_emails_once_across_a_crash_after_the_email(
         "lookup_order",
         "send_email",
     ]
+    assert_history_consistent(history)
+
+
+@pytest.mark.crash
+def test_while_a_repair_reruns_a_tool_the_new_run_holds_the_session(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """A 409 during a slow repair names the resubmission's run, and the dead run stays
+    `interrupted` (it was named in the 409 and shown `running` until the repair ended)."""
+    body = run_body("slow-read")
+
+    def server(label: str, failpoints: str | None = None) -> ServerProcess:
+        return server_process(
+            tmp_path,
+            database_url=database_url,
+            fake_model=fake_model,
+            tool_server=tool_server,
+            label=label,
+            failpoints=failpoints,
+        )
+
+    crashing = server("crashed", "after-write-1")
+    with crashing:
+        crash_run(crashing, body)
+    tool_server.reset()  # /slow_post holds its answer until released
+    with server("resumed") as resumed, resumed.client(timeout=60) as client:
+        (dead,) = [r["run_id"] for r in client.get(f"/v1/sessions/{SESSION}/runs").json()["data"]]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(post_run, client, body)
+            assert tool_server.in_flight.wait(timeout=30), resumed.logs()  # the repair's re-run
+            busy = client.post("/v1/runs", json=body)
+            dead_then = client.get(f"/v1/runs/{dead}").json()["status"]
+            tool_server.release()
+            run = pending.result(timeout=30)
+        history = list_messages(client)
+
+    assert busy.status_code == 409, busy.text
+    assert busy.json()["active_run_id"] == run["run_id"] != dead
+    assert dead_then == "interrupted"
+    assert run["status"] == "complete"
     assert_history_consistent(history)

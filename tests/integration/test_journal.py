@@ -1,9 +1,10 @@
 """DurableJournal on a real database (SQLite file and PostgreSQL): what each write stores.
 
-Every turn starts with `record_start` (the run row, any repairs, runs found dead), then its
-steps and its end. Ownership is `LocalOwnership` on both stores: its fence is always true, so
-what conflicts here is the message-count compare-and-set and the session's primary key (the
-PostgreSQL advisory-lock fence has its own tests).
+Every turn starts with `record_start` (the run row, runs found dead), then `record_repairs`
+(results for the calls they orphaned, if any), then its steps and its end. Ownership is
+`LocalOwnership` on both stores: its fence is always true, so what conflicts here is the
+message-count compare-and-set and the session's primary key (the PostgreSQL advisory-lock
+fence has its own tests).
 """
 
 from __future__ import annotations
@@ -76,9 +77,12 @@ async def start(
     repairs: Sequence[Message] = (),
     interrupted: Sequence[str] = (),
 ) -> Turn:
-    """A new turn, started as the run service starts it: record_start before any other write."""
+    """A new turn, started as the run service starts it: record_start before any other write,
+    then the repairs."""
     turn = new_turn(text, stored_count=stored_count, session_id=session_id)
-    await journal.record_start(turn, repairs, interrupted)
+    await journal.record_start(turn, interrupted)
+    if repairs:
+        await journal.record_repairs(turn, repairs)
     return turn
 
 
@@ -139,7 +143,7 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
     turn = new_turn("buy it")
     turn.idempotency_key = "key-1"
     turn.fingerprint = "f" * 64
-    await journal.record_start(turn, [], [])
+    await journal.record_start(turn, [])
 
     stored = await read(db, turn.run_id)
     assert stored.session is not None
@@ -283,11 +287,11 @@ async def test_a_stale_turn_conflicts_and_writes_nothing(
     before = await read(db, first.run_id, winner.run_id)
 
     with pytest.raises(SessionConflict):
-        await journal.record_start(loser, [], [first.run_id])
+        await journal.record_start(loser, [first.run_id])
     repairs = results_for(CALLS[0])
     repairs[0].run_id = first.run_id
     with pytest.raises(SessionConflict):
-        await journal.record_start(loser, repairs, [first.run_id])
+        await journal.record_repairs(loser, repairs)
     with pytest.raises(SessionConflict):
         await journal.record_step(loser, Message.assistant("", CALLS[1:]))
     with pytest.raises(SessionConflict):
@@ -341,10 +345,10 @@ async def test_two_turns_creating_the_same_session_conflict(
     # Both read the session before either created it.
     winner = new_turn("one")
     loser = new_turn("two")
-    await journal.record_start(winner, [], [])
+    await journal.record_start(winner, [])
 
     with pytest.raises(SessionConflict):
-        await journal.record_start(loser, [], [])
+        await journal.record_start(loser, [])
     with pytest.raises(SessionConflict):
         await journal.record_step(loser, Message.assistant("", CALLS))
     with pytest.raises(SessionConflict):
@@ -406,7 +410,7 @@ async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     assert after.runs[failed.run_id].status == RunStatus.ERROR
 
 
-async def test_the_start_writes_repairs_after_the_assistant_and_marks_runs_interrupted(
+async def test_repairs_go_after_their_assistant_and_dead_runs_are_marked_interrupted(
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     crashed = await start(journal, "buy it")
@@ -414,7 +418,8 @@ async def test_the_start_writes_repairs_after_the_assistant_and_marks_runs_inter
     # The runner died here. The next run repairs both orphans under the crashed run's id.
     resumed = new_turn("again", stored_count=2)
     repairs = repairs_for(crashed.run_id)
-    await journal.record_start(resumed, repairs, [crashed.run_id])
+    await journal.record_start(resumed, [crashed.run_id])
+    await journal.record_repairs(resumed, repairs)
 
     stored = await read(db, crashed.run_id, resumed.run_id)
     assert shape(stored.history) == [
@@ -432,19 +437,18 @@ async def test_the_start_writes_repairs_after_the_assistant_and_marks_runs_inter
     interrupted = stored.runs[crashed.run_id]
     assert interrupted.status == RunStatus.INTERRUPTED
     assert interrupted.finished_at is not None
-    # The same transaction starts the new run.
+    # The transaction that starts the new run ends the dead one; the repairs come after it,
+    # together.
     run = stored.runs[resumed.run_id]
     assert run.status == RunStatus.RUNNING
     assert run.created_at == resumed.created_at
     assert run.finished_at is None
-    assert (
-        interrupted.finished_at
-        == stored.history[2].created_at
-        == stored.history[3].created_at
-        == stored.session.updated_at
-    )
+    assert interrupted.finished_at == stored.session.updated_at
+    repaired_at = stored.history[2].created_at
+    assert repaired_at is not None and repaired_at == stored.history[3].created_at
+    assert interrupted.finished_at <= repaired_at
     assert (resumed.stored_count, resumed.run_stored, resumed.user_stored) == (4, True, False)
-    assert write_counts(metrics) == {"start": 1, "write1": 1, "repair": 1}
+    assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1}
 
     await journal.record_end(resumed, Message.assistant("ok"), RunEnd(RunStatus.COMPLETE, "ok"))
     final = await read(db, resumed.run_id)
@@ -468,7 +472,7 @@ async def test_the_start_with_only_unfinished_runs_marks_them_interrupted(
     assert stored.session.message_count == 4
     assert len(stored.history) == 4
     assert resumed.stored_count == 4
-    assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1, "repair": 1}
+    assert write_counts(metrics) == {"start": 2, "write1": 1, "write2": 1}
 
 
 async def test_a_start_with_nothing_to_repair_writes_only_the_session_and_the_run(
@@ -515,7 +519,7 @@ async def interrupted_then_continued(db: Database, journal: DurableJournal) -> t
     continued.run_stored = True
     continued.user_stored = True
     continued.iterations = 1
-    await journal.record_start(continued, [], [])
+    await journal.record_start(continued, [])
     return crashed, continued
 
 
@@ -545,7 +549,7 @@ async def test_a_continued_turn_sets_its_run_back_to_running_and_stores_no_secon
     assert run.iterations == 2
     assert run.created_at == crashed.created_at
     assert run.finished_at == continued.created_at
-    assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1, "final": 2}
+    assert write_counts(metrics) == {"start": 3, "write1": 1, "repair": 1, "final": 2}
 
 
 async def test_a_continued_run_back_to_running_has_no_finished_at(

@@ -22,6 +22,11 @@ tools:
     description: A side effect that takes its time
     input_schema: {{type: object, properties: {{text: {{type: string}}}}, required: [text]}}
     http: {{url: "{tools}/slow_post", timeout_s: 60}}
+  slow_read:
+    description: A read that takes its time (held like slow_post), safe to run again
+    input_schema: {{type: object, properties: {{text: {{type: string}}}}, required: [text]}}
+    safe_to_retry: true
+    http: {{url: "{tools}/slow_post", timeout_s: 60}}
 agents:
   triage:
     model: "plan:get_issue,post_slack"
@@ -47,6 +52,9 @@ agents:
   cut-off:
     model: "cutoff:post_slack"
     tools: [post_slack]
+  slow-read:
+    model: "plan:slow_read"
+    tools: [slow_read]
   unstorable:
     model: "unstorable:get_issue"
     tools: [get_issue]

@@ -3,7 +3,7 @@
 The journal here is a recording test double: it shows which write the runner makes when and
 every ownership check it asks for, and the in-process tools below record what they see
 (including how many writes and checks came before them). The runner computes repairs without
-writing them; storing them is `Journal.record_start`'s job (tests/integration/test_journal.py).
+writing them; storing them is `Journal.record_repairs`' job (tests/integration/test_journal.py).
 """
 
 from __future__ import annotations
@@ -179,10 +179,8 @@ class RecordingJournal(Journal):
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.records]
 
-    async def record_start(
-        self, turn: Turn, repairs: Sequence[Message], interrupted: Sequence[str]
-    ) -> None:
-        self.records.append(("start", (list(repairs), list(interrupted))))
+    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
+        self.records.append(("start", list(interrupted)))
 
     def check_owned(self, turn: Turn) -> None:
         self.checks.append(len(PROBE.calls))

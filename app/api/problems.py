@@ -120,14 +120,21 @@ def _is_outage(exc: Exception) -> bool:
 
 
 async def _database_error(_: Request, exc: Exception) -> JSONResponse:
-    if not _is_outage(exc):
-        return await _unexpected(_, exc)
+    if not _is_outage(exc):  # handled here, never raised again: log its traceback now
+        log.error("unhandled database error", exc_info=exc)
+        return _internal_error()
     log.warning("database unavailable: %s", type(exc).__name__)
     return await _app_error(_, DatabaseUnavailable("The database cannot be reached; retry later."))
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error", exc_info=exc)
+    # Starlette raises the exception again once this answer is sent, for the server to log
+    # with its traceback: one traceback per error, not two.
+    log.error("unhandled error: %s", type(exc).__name__)
+    return _internal_error()
+
+
+def _internal_error() -> JSONResponse:
     return problem_response(
         status=500, code="internal_error", title="Internal error", detail="An unexpected error."
     )

@@ -285,7 +285,8 @@ class Database:
                     "server_settings": {"idle_in_transaction_session_timeout": "5000"},
                 },
             }
-        engine = create_async_engine(url, **kwargs)
+        # An error's text must not quote statement parameters: they hold message contents.
+        engine = create_async_engine(url, hide_parameters=True, **kwargs)
         writer: Transactor = AsyncTransactor(engine)
         if engine.dialect.name == "postgresql":
             _configure_postgres(engine.sync_engine)

@@ -6,6 +6,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -247,22 +248,18 @@ def test_while_a_repair_reruns_a_tool_the_new_run_holds_the_session(
     """A 409 during a slow repair names the resubmission's run, and the dead run stays
     `interrupted` (it was named in the 409 and shown `running` until the repair ended)."""
     body = run_body("slow-read")
-
-    def server(label: str, failpoints: str | None = None) -> ServerProcess:
-        return server_process(
-            tmp_path,
-            database_url=database_url,
-            fake_model=fake_model,
-            tool_server=tool_server,
-            label=label,
-            failpoints=failpoints,
-        )
-
-    crashing = server("crashed", "after-write-1")
+    server = partial(
+        server_process,
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    crashing = server(label="crashed", failpoints="after-write-1")
     with crashing:
         crash_run(crashing, body)
     tool_server.reset()  # /slow_post holds its answer until released
-    with server("resumed") as resumed, resumed.client(timeout=60) as client:
+    with server(label="resumed") as resumed, resumed.client(timeout=60) as client:
         (dead,) = [r["run_id"] for r in client.get(f"/v1/sessions/{SESSION}/runs").json()["data"]]
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(post_run, client, body)

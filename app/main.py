@@ -102,7 +102,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             db=db,
             registry=registry,
             runs=runs_service,
-            sessions=SessionService(db, ownership),
+            sessions=SessionService(db, ownership, metrics),
             head_revision=head_revision() if db.durable else None,
             api_keys=api_keys,
             metrics=metrics,

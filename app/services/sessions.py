@@ -19,6 +19,7 @@ from app.db.repositories import (
 from app.db.session import Database
 from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionBusy, SessionNotFound
+from app.metrics import Metrics
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.ownership import Ownership
@@ -29,6 +30,7 @@ from app.services.runs import active_run, check_session_access, run_summary
 class SessionService:
     db: Database
     ownership: Ownership
+    metrics: Metrics
 
     def __post_init__(self) -> None:
         self.sessions = self.db.sessions
@@ -115,6 +117,7 @@ class SessionService:
                 # Every write goes through db.writes (app/db/session.py, InlineTransactor).
                 await self.db.writes.transact(partial(delete_session, session_id=session_id))
         except SessionBusy as busy:
+            self.metrics.session_busy.inc()
             active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
             raise SessionBusy(session_id, active) from busy
 

@@ -129,7 +129,8 @@ def _collide(
     fake: FakeAnthropic,
     scenario: Scenario,
 ) -> httpx.Response:
-    """Two POSTs on one session while the first waits on a slow model: the second is refused."""
+    """Two POSTs and a DELETE on one session while the first POST waits on a slow model: the
+    second POST and the DELETE are refused."""
     first_body = _turn("busy", "echo", scenario.marker)
     second_body = {**first_body, "message": f"{scenario.marker} busy again"}
     fake.set_delay(1.5)
@@ -146,8 +147,10 @@ def _collide(
                 what="the first request to reach the model",
             )
             second = two.post("/v1/runs", json=second_body)
+            deleted = two.delete(f"/v1/sessions/{first_body['session_id']}")
             done = first.result(timeout=30)
     finally:
         fake.set_delay(0)
     scenario.answers["busy_first"] = (done.status_code, done.json())
+    scenario.answers["busy_delete"] = (deleted.status_code, deleted.json())
     return second

@@ -88,13 +88,14 @@ def test_model_call_latency_and_tokens(ops: Scenario) -> None:
 
 
 def test_session_busy_rejections(ops: Scenario) -> None:
-    status, problem = ops.answers["busy"]
-    assert (status, problem["code"]) == (409, "session_busy")
+    for refused in ("busy", "busy_delete"):  # a POST and a DELETE
+        status, problem = ops.answers[refused]
+        assert (status, problem["code"]) == (409, "session_busy"), refused
     before, after = ops.metrics["busy"]
-    assert increase(before, after, "agent_runner_session_busy_rejections_total") == 1
+    assert increase(before, after, "agent_runner_session_busy_rejections_total") == 2
     # The refused request is no run: only the first one is counted.
     assert increase(before, after, RUNS, agent="echo", status="complete") == 1
-    assert value(after, "agent_runner_session_busy_rejections_total") == 1
+    assert value(after, "agent_runner_session_busy_rejections_total") == 2
 
 
 def test_a_run_whose_runner_died_counts_as_interrupted_when_found(

@@ -177,14 +177,17 @@ def support_script(request: ModelRequest) -> ModelResponse:
 
 
 def _emailed_before(messages: list[Message], order_id: str) -> Message | None:
-    """The result of an earlier send_email about this order that went out, if any."""
+    """The result of an earlier send_email about this order that went out, or may have (a
+    crash cut it off: the durability error), if any."""
     subject = _subject(order_id)
     calls = {c.id: c for m in messages if m.role is Role.ASSISTANT for c in m.tool_calls}
     for message in messages:
         if message.role is not Role.TOOL or message.tool_name != "send_email":
             continue
         call = calls.get(message.tool_call_id or "")
-        if not message.is_error and call is not None and call.arguments.get("subject") == subject:
+        if call is None or call.arguments.get("subject") != subject:
+            continue
+        if not message.is_error or is_durability_error(message.content):
             return message
     return None
 
@@ -224,6 +227,12 @@ def _email_report(result: Message, order_id: str) -> str:
 
 
 def _already_emailed_report(result: Message, order_id: str) -> str:
+    if is_durability_error(result.content):
+        return (
+            f"An earlier email to {CUSTOMER} about order {order_id} may or may not have gone out"
+            " (I was interrupted while sending it), and I do not send the same email twice"
+            " without checking. Ask me to send it again if it did not go out."
+        )
     return (
         f"I already emailed {CUSTOMER} about order {order_id}{_message_id(result)}, and I do"
         " not send the same email twice. Ask me to send it again if it is needed."

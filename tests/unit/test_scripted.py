@@ -197,6 +197,31 @@ async def test_support_is_deterministic_with_unique_ids(
     assert (await complete(prefix)).tool_calls == first_turn[0].tool_calls
 
 
+async def test_support_does_not_resend_an_email_a_crash_cut_off_in_a_later_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README's crash demo: the email got the durability error, and the next turn about
+    # the same order must not send it again either (it did: only a successful send counted).
+    call = ToolCall("toolu_1", "send_email", {"to": "c", "subject": "Your order A-1001"})
+    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-1001"})
+    history = [
+        Message.user("Where is order A-1001?"),
+        Message.assistant("", [lookup]),
+        Message.tool(ToolResult.ok(lookup, fake_order("A-1001"))),
+        Message.assistant("", [call]),
+        Message.tool(durability_error("send_email", "toolu_1")),
+        Message.assistant("I was interrupted while emailing."),
+    ]
+    outbox = tmp_path / "outbox.jsonl"
+
+    [later] = await run_turn(history, "Any news on order A-1001?", outbox, monkeypatch)
+    assert later.tool_calls == []
+    assert "may or may not have gone out" in later.text
+    again = await run_turn(history, "Send the A-1001 email again", outbox, monkeypatch)
+    assert [c.name for r in again for c in r.tool_calls].count("send_email") == 1
+    assert len(outbox.read_text().splitlines()) == 1
+
+
 async def test_support_does_not_send_the_same_email_twice_unless_asked_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+PORT ?= 8000
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: install run test lint format clean
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	LOG_FORMAT=$${LOG_FORMAT:-text} $(BIN)/agent-runner serve
+	LOG_FORMAT=$${LOG_FORMAT:-text} $(BIN)/agent-runner serve --port $(PORT)
 
 test: install
 	$(BIN)/pytest

@@ -19,12 +19,13 @@ from app.errors import ConfigError
 from app.logs import configure_logging
 from app.main import create_app
 from app.services.ownership import serving_lock_file, take_serving_lock
-from app.settings import Settings
+from app.settings import Settings, load_env_file
 
 log = logging.getLogger("app.cli")
 
 
 def _settings() -> Settings:
+    load_env_file()
     try:
         settings = Settings()
     except ValidationError as exc:
@@ -93,7 +94,8 @@ def serve(host: str, port: int) -> None:
         port=port,
         log_config=None,
         access_log=False,  # app.logs.AccessLog writes one line per request instead
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        # uvicorn waits with asyncio.wait_for, which takes a fraction of a second too.
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
     DrainingServer(config, _lifecycle(app)).run()
 

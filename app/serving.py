@@ -55,8 +55,10 @@ class ServeProcess:
         env: dict[str, str],
         log_path: Path,
         argv: Callable[[int], list[str]] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.port = free_port()
+        self._cwd = cwd
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._env = env
@@ -69,6 +71,7 @@ class ServeProcess:
             self.process = subprocess.Popen(
                 self._argv(self.port),
                 env=self._env,
+                cwd=self._cwd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from dotenv import load_dotenv
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -35,3 +36,10 @@ class Settings(BaseSettings):
     @classmethod
     def _level_in_any_case(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
+
+
+def load_env_file() -> None:
+    """Put the variables of `.env` (in the working directory) into the environment, where
+    it does not set them already, so that what reads the environment itself sees them too:
+    the anthropic SDK (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL) and the example tools."""
+    load_dotenv(Path(".env"), override=False)

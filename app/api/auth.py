@@ -19,10 +19,12 @@ class ApiKeys:
         """Parse the API_KEYS value; a malformed entry is a ConfigError (without the key)."""
         keys: dict[str, str] = {}
         for position, entry in enumerate(spec.split(","), start=1):
-            key, sep, tenant = entry.strip().rpartition(":")
-            if not sep or not key or not tenant.strip():
+            key, sep, tenant = (part.strip() for part in entry.rpartition(":"))
+            if not sep or not key or not tenant:
                 raise ConfigError(f"API_KEYS: entry {position} is not key:tenant")
-            keys[key] = tenant.strip()
+            if key in keys:  # the key is not quoted: it is a secret
+                raise ConfigError(f"API_KEYS: entry {position} repeats the key of an earlier one")
+            keys[key] = tenant
         if not keys:
             raise ConfigError("API_KEYS is set but names no key")
         return cls(keys)

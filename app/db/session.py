@@ -66,6 +66,11 @@ def async_url(database_url: str) -> str:
     if backend == "sqlite":
         return url.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
     if backend in ("postgresql", "postgres"):
+        if "sslmode" in url.query:
+            # libpq's name; SQLAlchemy hands query options to asyncpg.connect, which calls it
+            # `ssl` (same values: disable, allow, prefer, require, verify-ca, verify-full).
+            query = {k: v for k, v in url.query.items() if k != "sslmode"}
+            url = url.set(query={**query, "ssl": url.query["sslmode"]})
         return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
     raise ConfigError(
         f"DATABASE_URL scheme {url.drivername!r} is not supported; "

@@ -25,6 +25,7 @@ class ServerProcess(ServeProcess):
         model_url: str | None = None,
         failpoints: str | None = None,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         inherited = {
             k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "API_KEYS"))
@@ -41,4 +42,5 @@ class ServerProcess(ServeProcess):
                 **(env or {}),
             },
             log_path=log_path,
+            cwd=cwd,
         )

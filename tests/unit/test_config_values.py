@@ -1,0 +1,44 @@
+"""Values read from the environment: API_KEYS, and DATABASE_URL's libpq options."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from app.api.auth import ApiKeys
+from app.db.session import async_url
+from app.errors import ConfigError, Unauthorized
+
+
+def test_api_keys_ignore_spaces_around_key_and_tenant() -> None:
+    keys = ApiKeys.parse(" k1 : acme , k2:globex ")
+    assert keys.tenant("k1") == "acme"
+    assert keys.tenant("k2") == "globex"
+    with pytest.raises(Unauthorized):
+        keys.tenant("k1 :")
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("k1:a,k1:b", "API_KEYS: entry 2 repeats the key of an earlier one"),
+        ("k1:a, k1 :b", "API_KEYS: entry 2 repeats the key of an earlier one"),
+        ("k1", "API_KEYS: entry 1 is not key:tenant"),
+        ("k1:a,:b", "API_KEYS: entry 2 is not key:tenant"),
+        ("k1: ", "API_KEYS: entry 1 is not key:tenant"),
+    ],
+)
+def test_api_keys_refused_with_the_entry_named_and_no_key_shown(spec: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ApiKeys.parse(spec)
+    assert str(caught.value) == problem
+
+
+@pytest.mark.parametrize("mode", ["disable", "require", "verify-full"])
+def test_libpq_sslmode_reaches_asyncpg_as_ssl(mode: str) -> None:
+    # SQLAlchemy hands URL options to asyncpg.connect, which has no `sslmode` (a traceback
+    # at start); asyncpg calls the same option `ssl`.
+    url = make_url(async_url(f"postgresql://u:p@h:5432/db?sslmode={mode}&application_name=x"))
+    assert url.drivername == "postgresql+asyncpg"
+    assert dict(url.query) == {"ssl": mode, "application_name": "x"}
+    assert (url.username, url.password, url.host, url.database) == ("u", "p", "h", "db")

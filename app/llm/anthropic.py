@@ -102,9 +102,8 @@ class AnthropicLLMClient:
             raise error from err
         except ValueError as err:  # a 2xx whose body says JSON and is not
             raise _not_a_message("its body is not JSON") from err
-        used_ids = {call.id for m in request.messages for call in m.tool_calls}
         try:
-            return read_answer(message, used_ids=used_ids)
+            return read_answer(message)
         except _NotAMessage as err:
             raise _not_a_message(str(err)) from err
 
@@ -124,15 +123,15 @@ class _NotAMessage(Exception):
     """What is wrong with an answer (its shape only: never the model's words)."""
 
 
-def read_answer(message: Any, *, used_ids: set[str]) -> ModelResponse:
+def read_answer(message: Any) -> ModelResponse:
     """The runner's view of a Messages API answer, or _NotAMessage.
 
     The SDK builds the answer without validating it, so a 2xx that is not a message (a
     proxy's page), a block of a type newer than the SDK, or a malformed tool call would
     otherwise fail later with Python's words, or be stored and break the session's history.
-    A tool call must have a string id used nowhere else in the session (the API pairs
-    results by id, and the id is the tool's Idempotency-Key) and an object as its input.
-    Strings are made storable (see `storable`)."""
+    A tool call must have a string id that no other call of the answer has (the step's
+    results are paired with its calls by id) and an object as its input. Strings are made
+    storable (see `storable`)."""
     content = getattr(message, "content", None)
     usage = getattr(message, "usage", None)
     if not isinstance(content, list) or usage is None:
@@ -142,6 +141,7 @@ def read_answer(message: Any, *, used_ids: set[str]) -> ModelResponse:
         raise _NotAMessage("usage is not two token counts")
     texts: list[str] = []
     calls: list[ToolCall] = []
+    ids: set[str] = set()
     for block in content:
         kind = getattr(block, "type", None)
         if kind == "text":
@@ -157,9 +157,9 @@ def read_answer(message: Any, *, used_ids: set[str]) -> ModelResponse:
             if not isinstance(arguments, dict):
                 raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
             call = ToolCall(storable(call_id), storable(name), storable(arguments))
-            if call.id in used_ids:
-                raise _NotAMessage(f"tool_use id {call.id!r} is used twice in the session")
-            used_ids.add(call.id)
+            if call.id in ids:
+                raise _NotAMessage(f"tool_use id {call.id!r} is used twice in the answer")
+            ids.add(call.id)
             calls.append(call)
         # Other kinds (thinking, server tools, kinds newer than the SDK) carry nothing the
         # runner uses.

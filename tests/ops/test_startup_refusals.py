@@ -9,28 +9,20 @@ import pytest
 from tests.support.server import ServerProcess
 
 
-def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: Path) -> None:
-    agents = tmp_path / "agents.yaml"
-    agents.write_text('agents:\n  a1:\n    model: "scripted:nosuch"\n')
+def refusal(
+    tmp_path: Path,
+    database_url: str,
+    env: dict[str, str] | None = None,
+    *,
+    agents_file: Path | None = None,
+) -> str:
+    """The log of a `serve` that must refuse to start: one line, no traceback."""
     server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'x.db'}",
+        database_url=database_url,
         log_path=tmp_path / "server.log",
-        agents_file=agents,
+        agents_file=agents_file,
+        env=env,
     )
-    try:
-        with pytest.raises(RuntimeError, match="server exited"):
-            server.start(timeout=20)
-    finally:
-        server.kill()  # had it started
-    logs = server.logs()
-    assert f"{agents}: agent 'a1': unknown scripted model 'scripted:nosuch'" in logs, logs
-    assert "known: echo, support" in logs
-    assert "Traceback" not in logs
-
-
-def refusal(tmp_path: Path, database_url: str, env: dict[str, str] | None = None) -> str:
-    """The log of a `serve` that must refuse to start."""
-    server = ServerProcess(database_url=database_url, log_path=tmp_path / "server.log", env=env)
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             server.start(timeout=20)
@@ -39,6 +31,14 @@ def refusal(tmp_path: Path, database_url: str, env: dict[str, str] | None = None
     logs = server.logs()
     assert "Traceback" not in logs, logs
     return logs
+
+
+def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    agents = tmp_path / "agents.yaml"
+    agents.write_text('agents:\n  a1:\n    model: "scripted:nosuch"\n')
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", agents_file=agents)
+    assert f"{agents}: agent 'a1': unknown scripted model 'scripted:nosuch'" in logs, logs
+    assert "known: echo, support" in logs
 
 
 def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import asyncpg
@@ -91,11 +92,25 @@ def database_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -
         shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
         yield f"sqlite:///{path}"
         return
-    template = request.getfixturevalue("pg_template")
+    with _fresh_pg_database(request.getfixturevalue("pg_template")) as url:
+        yield url
+
+
+@pytest.fixture
+def another_pg_database_url(pg_template: str) -> Iterator[str]:
+    """A second fresh, migrated database on the test PostgreSQL server (another deployment)."""
+    with _fresh_pg_database(pg_template) as url:
+        yield url
+
+
+@contextmanager
+def _fresh_pg_database(template: str) -> Iterator[str]:
     name = f"ar_test_{uuid.uuid4().hex[:12]}"
     _pg_admin(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    yield _pg_url(name)
-    _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    try:
+        yield _pg_url(name)
+    finally:
+        _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

@@ -29,11 +29,11 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import asyncpg
 from sqlalchemy.engine import make_url
@@ -49,6 +49,19 @@ PG_FENCE_SQL = (
     "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
     " AND pid = :fence_pid AND classid = :fence_hi AND objid = :fence_lo AND objsubid = 1)"
 )
+
+
+# The (hi, lo) key parts, of those given as two arrays, whose advisory lock some connection to
+# this database holds. Advisory locks are per database: another database's on the same server
+# with the same key are another deployment's sessions.
+HELD_AMONG_SQL = """
+    SELECT k.hi, k.lo FROM unnest($1::bigint[], $2::bigint[]) AS k(hi, lo)
+    WHERE EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.classid = k.hi::oid AND l.objid = k.lo::oid
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+"""
 
 
 def lock_key(session_id: str) -> int:
@@ -82,12 +95,18 @@ class ActiveRuns:
         self._claims: dict[str, _Claim] = {}
 
     async def claim(self, session_id: str) -> None:
-        """Take the session for this process, or raise SessionBusy."""
-        existing = self._claims.get(session_id)
-        if existing is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(existing.settled.wait(), self.SETTLE_WAIT_S)
-            raise SessionBusy(session_id, existing.run_id)
+        """Take the session for this process, or raise SessionBusy.
+
+        A claim given back without a run (a request refused, a replay answered) never made
+        the session busy: the waiter takes the session then."""
+        deadline = time.monotonic() + self.SETTLE_WAIT_S
+        while (existing := self._claims.get(session_id)) is not None:
+            left = deadline - time.monotonic()
+            if existing.run_id is None and left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(existing.settled.wait(), left)
+            if existing.run_id is not None or self._claims.get(session_id) is existing:
+                raise SessionBusy(session_id, existing.run_id)
         self._claims[session_id] = _Claim()
 
     def confirm(self, session_id: str, run_id: str) -> None:
@@ -136,6 +155,10 @@ class Ownership(Protocol):
 
     async def is_held(self, session_id: str) -> bool:
         """Whether any live runner owns the session now."""
+        ...
+
+    async def held_among(self, session_ids: Collection[str]) -> set[str]:
+        """Which of these sessions a live runner owns now (one lookup for a page of them)."""
         ...
 
     async def start(self) -> None:
@@ -218,6 +241,9 @@ class LocalOwnership:
     async def is_held(self, session_id: str) -> bool:
         return self.active.holds(session_id)
 
+    async def held_among(self, session_ids: Collection[str]) -> set[str]:
+        return {s for s in session_ids if self.active.holds(s)}
+
     async def start(self) -> None:
         if self._lock_file is not None:
             self._lock_fd = take_serving_lock(self._lock_file)
@@ -294,9 +320,16 @@ class PostgresOwnership:
             raise SessionConflict(session_id)
 
     async def is_held(self, session_id: str) -> bool:
-        if self.active.holds(session_id):
-            return True
-        return await self._holder(lock_key(session_id)) is not None
+        return bool(await self.held_among([session_id]))
+
+    async def held_among(self, session_ids: Collection[str]) -> set[str]:
+        held = {s for s in session_ids if self.active.holds(s)}
+        others = {_key_parts(lock_key(s)): s for s in session_ids if s not in held}
+        if others:
+            his, los = zip(*others, strict=True)
+            rows = await self._query(HELD_AMONG_SQL, list(his), list(los), result="rows")
+            held.update(others[(row["hi"], row["lo"])] for row in rows)
+        return held
 
     async def _connect(self) -> None:
         conn = await asyncpg.connect(self._dsn, timeout=5)
@@ -347,14 +380,17 @@ class PostgresOwnership:
         """Raise ConnectionError unless the lock connection answers."""
         await self._query("SELECT 1")
 
-    async def _query(self, sql: str, *args: Any, row: bool = False) -> Any:
-        """One statement on the lock connection: its value (or its row, if any); a failed
-        connection is dropped and reported as ConnectionError (503)."""
+    async def _query(
+        self, sql: str, *args: Any, result: Literal["value", "row", "rows"] = "value"
+    ) -> Any:
+        """One statement on the lock connection: its value, its row (or None), or all its
+        rows; a failed connection is dropped and reported as ConnectionError (503)."""
         self.statements += 1
         async with self._io:
             conn = await self._connection()
+            fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
             try:
-                return await (conn.fetchrow if row else conn.fetchval)(sql, *args)
+                return await fetch(sql, *args)
             except PG_CONNECTION_ERRORS as exc:
                 self._drop(exc)
                 raise ConnectionError("the ownership connection is down") from exc
@@ -375,11 +411,12 @@ class PostgresOwnership:
             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
             WHERE l.locktype = 'advisory' AND l.granted
               AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
-              AND l.objsubid = 1
+              AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database
+                                                   WHERE datname = current_database())
             """,
             hi,
             lo,
-            row=True,
+            result="row",
         )
         if row is None:
             return None

@@ -168,27 +168,39 @@ class RunService:
         if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
+        deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
         try:
-            async with AsyncExitStack() as stack:
-                try:
-                    await stack.enter_async_context(self.ownership.hold(body.session_id))
-                except SessionBusy as busy:
-                    return await self._refuse(busy, turn, body)
-                return await self._run_owned(turn, body)
+            while True:
+                async with AsyncExitStack() as stack:
+                    try:
+                        await stack.enter_async_context(self.ownership.hold(body.session_id))
+                    except SessionBusy as busy:
+                        refused = await self._refuse(busy, turn, body, retry_until=deadline)
+                        if refused is None:  # the holder left without running a turn
+                            continue
+                        return refused
+                    return await self._run_owned(turn, body)
         except SessionConflict as lost:  # another runner took the session over: name its run
             active = await self._active_run(lost, turn)
             raise SessionConflict(body.session_id, active) from lost
 
-    async def _refuse(self, busy: SessionBusy, turn: Turn, body: RunCreate) -> RunResult:
+    async def _refuse(
+        self, busy: SessionBusy, turn: Turn, body: RunCreate, *, retry_until: float
+    ) -> RunResult | None:
         """The session is busy: answer as if it were not for what does not depend on that
         (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
-        a finished keyed turn); otherwise 409 naming the run that holds it."""
+        a finished keyed turn); otherwise 409 naming the run that holds it. None: nobody ran
+        a turn on it after all (another replica held it to refuse or replay a request), so
+        try again, until `retry_until`."""
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
         if earlier is not None and earlier.status not in UNFINISHED:
             replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
             return RunResult(replay, replayed=True)
-        raise SessionBusy(body.session_id, await self._active_run(busy, turn))
+        active = await self._active_run(busy, turn)
+        if active is None and time.monotonic() < retry_until:
+            return None
+        raise SessionBusy(body.session_id, active)
 
     async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
         assert turn.session_id is not None

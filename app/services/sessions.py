@@ -41,7 +41,9 @@ class SessionService:
         """One session with its status."""
         async with self.sessions.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
-            return _session_read(row, await self._status(session, row))
+            orphans = await self._has_orphans(session, row)
+        held = await self.ownership.is_held(session_id)
+        return _session_read(row, _status(held=held, orphans=orphans))
 
     async def list(
         self,
@@ -61,7 +63,13 @@ class SessionService:
                 after=decode_cursor(after) if after else None,
                 limit=limit + 1,
             )
-            page = [_session_read(r, await self._status(session, r)) for r in rows[:limit]]
+            orphaned = {r.id for r in rows[:limit] if await self._has_orphans(session, r)}
+        # One ownership lookup for the page, outside the transaction.
+        held = await self.ownership.held_among([r.id for r in rows[:limit]])
+        page = [
+            _session_read(r, _status(held=r.id in held, orphans=r.id in orphaned))
+            for r in rows[:limit]
+        ]
         last = rows[limit - 1] if len(rows) > limit else None
         return Page(data=page, next_after=encode_cursor(last.updated_at, last.id) if last else None)
 
@@ -121,11 +129,10 @@ class SessionService:
             active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
             raise SessionBusy(session_id, active) from busy
 
-    async def _status(self, session: AsyncSession, row: models.Session) -> SessionStatus:
-        if await self.ownership.is_held(row.id):
-            return SessionStatus.RUNNING
+    @staticmethod
+    async def _has_orphans(session: AsyncSession, row: models.Session) -> bool:
         _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(row.key))
-        return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
+        return bool(orphans)
 
     @staticmethod
     async def _visible(
@@ -136,6 +143,12 @@ class SessionService:
             raise SessionNotFound(session_id)
         check_session_access(row, tenant_id=tenant_id, user_id=user_id, reading=True)
         return row
+
+
+def _status(*, held: bool, orphans: bool) -> SessionStatus:
+    if held:
+        return SessionStatus.RUNNING
+    return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
 
 
 def _session_read(row: models.Session, status: SessionStatus) -> SessionRead:

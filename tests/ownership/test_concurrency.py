@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +20,7 @@ from tests.ownership.helpers import (
     ok,
     run_body,
     session_runs,
+    session_status,
     wait_until,
 )
 from tests.support.fake_anthropic import FakeAnthropic
@@ -118,3 +122,122 @@ def test_delete_on_another_replica_while_a_run_is_in_progress_names_the_run(
     assert assert_busy(refused)["active_run_id"] == run["run_id"]
     with a.client() as client:  # the run went on, and the session is still there
         assert [r["run_id"] for r in session_runs(client, session)] == [run["run_id"]]
+
+
+def test_requests_that_run_no_turn_never_make_a_turn_busy(servers: Servers) -> None:
+    """A 409 means a turn runs. Requests answered without one (another tenant's 404, the
+    replay of a finished keyed turn) hold the session only while they are decided: a turn
+    arriving meanwhile waits for that and runs, however many of them arrive."""
+    server = servers.start("server", env={"API_KEYS": "key-acme:acme,key-globex:globex"})
+    acme, globex = {"Authorization": "Bearer key-acme"}, {"Authorization": "Bearer key-globex"}
+    session = "s-not-busy"
+    keyed = run_body("echo", "Hello", session)
+    with server.client() as client:
+        first = ok(client.post("/v1/runs", json=keyed, headers={**acme, "Idempotency-Key": "k"}))
+    noise = [
+        ({**acme, "Idempotency-Key": "k"}, keyed, 200),  # a replay
+        (globex, run_body("echo", "Hello", session), 404),  # another tenant's session
+    ]
+    stop = threading.Event()
+    unexpected: list[str] = []
+
+    def refused_again_and_again(headers: dict[str, str], body: Json, status: int) -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set():
+                response = client.post("/v1/runs", json=body, headers=headers)
+                if response.status_code != status:
+                    unexpected.append(response.text)
+
+    threads = [
+        threading.Thread(target=refused_again_and_again, args=args, daemon=True)
+        for args in noise * 2
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        with server.client() as client:
+            answers = [
+                client.post("/v1/runs", json=run_body("echo", f"Turn {i}", session), headers=acme)
+                for i in range(15)
+            ]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert [r.status_code for r in answers] == [200] * 15, [r.text for r in answers]
+    assert not unexpected, unexpected[:3]
+    with httpx.Client(base_url=server.url, headers=acme) as client:
+        runs = session_runs(client, session)
+    assert len(runs) == 16 and runs[-1]["run_id"] == first["run_id"]
+
+
+@POSTGRES_ONLY
+def test_a_session_of_another_database_on_the_server_does_not_look_running(
+    servers: Servers, another_pg_database_url: str, fake_model: FakeAnthropic, tmp_path: Path
+) -> None:
+    """Two deployments on one PostgreSQL server, each with a session "s-same": while one
+    runs a turn, the other's session is still `idle` (advisory locks are per database)."""
+    here = servers.start("here")
+    (tmp_path / "other").mkdir()
+    other_deployment = Servers(
+        tmp_path / "other",
+        database_url=another_pg_database_url,
+        model_url=fake_model.url,
+        tools_url=here.url,  # unused: echo calls no tool
+    )
+    try:
+        there = other_deployment.start("there")
+        session = "s-same"
+        with there.client() as client:
+            ok(client.post("/v1/runs", json=run_body("echo", "Hello", session)))
+        fake_model.set_delay(3)
+        running_here = Background(here.url, run_body("echo", "Hello", session))
+        wait_until(lambda: len(fake_model.requests) == 2, timeout=15, what="the model call")
+        with here.client() as client:
+            assert session_status(client, session) == "running"
+        with there.client() as client:
+            assert session_status(client, session) == "idle"
+            listed = ok(client.get("/v1/sessions"))["data"]
+            assert [(s["id"], s["status"]) for s in listed] == [(session, "idle")]
+        answer = running_here.join(30)
+        assert isinstance(answer, httpx.Response), answer
+        assert ok(answer)["status"] == "complete"
+    finally:
+        other_deployment.close()
+
+
+@POSTGRES_ONLY
+def test_many_readers_of_long_session_lists_leave_turns_their_connections(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """Forty clients listing 200 sessions again and again while a turn's side effect is in
+    flight: the turn still stores its result (the listings' ownership lookups hold no
+    database connection its write waits for), and every listing is answered."""
+    server = servers.start("server")
+    with server.client() as client:
+        for i in range(200):
+            ok(client.post("/v1/runs", json=run_body("echo", "Hello", f"s-many-{i}")))
+    turn = Background(server.url, run_body("slow", "Triage issue 5", "s-many-turn"))
+    assert tool_server.in_flight.wait(15), "the side effect never started"
+    done = threading.Event()
+    statuses: Counter[int] = Counter()
+
+    def list_sessions() -> None:
+        with server.client() as client:
+            while not done.is_set():
+                statuses[client.get("/v1/sessions", params={"limit": 200}).status_code] += 1
+
+    readers = [threading.Thread(target=list_sessions, daemon=True) for _ in range(40)]
+    for reader in readers:
+        reader.start()
+    time.sleep(2)
+    tool_server.release()
+    answer = turn.join(60)
+    done.set()
+    for reader in readers:
+        reader.join(60)
+    assert isinstance(answer, httpx.Response), answer
+    run = ok(answer)
+    assert run["status"] == "complete", run
+    assert tool_server.count("slow_post") == 1, tool_server.invocations
+    assert set(statuses) == {200}, statuses

@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
+TEST_WORKERS ?= auto
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: install run test lint format clean
@@ -19,8 +20,9 @@ install: $(STAMP)
 run: install
 	LOG_FORMAT=$${LOG_FORMAT:-text} $(BIN)/agent-runner serve --port $(PORT)
 
+# One test process per CPU: most of the suite waits on the servers it starts.
 test: install
-	$(BIN)/pytest
+	$(BIN)/pytest --numprocesses $(TEST_WORKERS) --dist worksteal
 
 lint: install
 	$(BIN)/ruff check app tests migrations

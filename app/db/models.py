@@ -61,9 +61,10 @@ class Run(Base):
     status: Mapped[str] = mapped_column(String(32))
     response: Mapped[str | None] = mapped_column(Text)
     iterations: Mapped[int] = mapped_column(Integer, default=0)
-    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    error_type: Mapped[str | None] = mapped_column(String(64))
+    # What the model API sends is stored whole: no length or range of ours applies to it.
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    error_type: Mapped[str | None] = mapped_column(Text)
     error_message: Mapped[str | None] = mapped_column(Text)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     # Idempotency-Key of the request that started this turn, and a hash of its body.
@@ -90,8 +91,8 @@ class Message(Base):
     role: Mapped[str] = mapped_column(String(16))
     content: Mapped[str] = mapped_column(Text)
     tool_calls: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
-    tool_call_id: Mapped[str | None] = mapped_column(String(128))
-    tool_name: Mapped[str | None] = mapped_column(String(64))
+    tool_call_id: Mapped[str | None] = mapped_column(Text)  # as the model sent them
+    tool_name: Mapped[str | None] = mapped_column(Text)
     is_error: Mapped[bool] = mapped_column(Boolean, default=False)
     run_id: Mapped[str | None] = mapped_column(String(36))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

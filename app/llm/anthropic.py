@@ -227,7 +227,10 @@ def _to_llm_error(err: anthropic.AnthropicError | TimeoutError) -> LLMError:
         )
     if isinstance(err, anthropic.APIStatusError):
         status = err.status_code
-        error_type = err.type or _TYPE_BY_STATUS.get(status, "api_error")
+        sent: object = err.type  # whatever the body's error.type held
+        error_type = (
+            sent if isinstance(sent, str) and sent else _TYPE_BY_STATUS.get(status, "api_error")
+        )
         should_retry = err.response.headers.get("x-should-retry")
         if should_retry in ("true", "false"):
             retryable = should_retry == "true"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.domain import Message, ToolCall, Usage
+from app.domain import Message, ToolCall, Usage, storable
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +39,9 @@ class LLMError(Exception):
 
     def __init__(self, message: str, *, type: str = "model_error", retryable: bool = False) -> None:
         super().__init__(message)
-        self.message = message
-        self.type = type
+        # Both are stored with the run, and may quote what the model API sent.
+        self.message = storable(message)
+        self.type = storable(type)
         self.retryable = retryable
 
 

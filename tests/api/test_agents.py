@@ -10,6 +10,7 @@ AGENTS = [
     "broken-model",
     "cut-off",
     "echo",
+    "outsized",
     "overloaded",
     "slow",
     "slow-read",

@@ -186,3 +186,39 @@ async def test_text_the_stores_cannot_hold_is_stored_replaced(
     assert [i.body for i in tool_server.invocations] == [{"id": "id-1 \ufffd\ufffd"}]
     assert (await get_ok(client, "/v1/sessions/odd/messages"))["data"] == body["messages"]
     assert (await get_ok(client, f"/v1/runs/{body['run_id']}"))["response"] == body["response"]
+
+
+async def test_what_the_model_sends_is_stored_whole_on_every_store(
+    client: httpx.AsyncClient, tool_server: ToolServer
+) -> None:
+    # PostgreSQL refused a tool_use id over 128 characters, a tool name over 64 and a token
+    # count over 2^31 - 1 after the tool had run: a 500, and the session could not be
+    # resumed (each repair wrote the same id). SQLite stored them; now both do.
+    body = await run(client, "outsized", "post the report", session_id="outsized")
+
+    assert body["status"] == "complete", body
+    assert body["usage"]["input_tokens"] == 2 * 3_000_000_000
+    calls = body["messages"][1]["tool_calls"]
+    assert [(len(c["id"]), c["name"]) for c in calls] == [(300, "post_slack"), (300, "n" * 100)]
+    results = {m["tool_call_id"]: m for m in body["messages"] if m["role"] == "tool"}
+    assert results.keys() == {c["id"] for c in calls}
+    assert results[calls[1]["id"]]["is_error"] and results[calls[1]["id"]]["tool_name"] == "n" * 100
+    assert tool_server.count("post_slack") == 1
+    assert (await get_ok(client, "/v1/sessions/outsized/messages"))["data"] == body["messages"]
+    stored = await get_ok(client, f"/v1/runs/{body['run_id']}")
+    assert stored["usage"] == body["usage"]
+
+
+async def test_a_model_error_is_stored_whatever_its_type_and_text(
+    client: httpx.AsyncClient, fake_model: FakeAnthropic
+) -> None:
+    # The API error's type and message are stored with the run: a type over 64 characters
+    # or a NUL in either was a 500 on PostgreSQL, not the run `error` §3 describes.
+    fake_model.fail_next(1, 400, "invalid_" * 12 + "\x00")
+
+    body = await run(client, "echo", "hello", session_id="odd-error")
+
+    assert body["status"] == "error", body
+    assert body["error"]["type"] == "invalid_" * 12 + "\ufffd"
+    assert "\x00" not in body["error"]["message"] and "invalid_" in body["error"]["message"]
+    assert (await get_ok(client, f"/v1/runs/{body['run_id']}"))["error"] == body["error"]

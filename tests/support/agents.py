@@ -58,6 +58,9 @@ agents:
   unstorable:
     model: "unstorable:get_issue"
     tools: [get_issue]
+  outsized:
+    model: "outsized:post_slack"
+    tools: [post_slack]
 """
 
 

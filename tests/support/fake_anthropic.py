@@ -10,6 +10,8 @@ crashed-and-resumed run gets consistent answers:
 * `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`).
 * `unstorable:<plan>`: as `plan:<plan>`, with a NUL and a lone surrogate (neither storable
   as text) ending every text and every string of the tool inputs.
+* `outsized:<plan>`: as `plan:<plan>`, with tool_use ids of 300 characters, one more call of
+  a tool named with 100 characters (which no agent has), and 3,000,000,000 input tokens.
 
 The summary is `done after N steps; errors: <names>; durability errors: <call ids>` (lists
 joined by ","): N counts this turn's assistant messages; `errors` names the tools whose results
@@ -286,7 +288,7 @@ def _kind(block: Any) -> Any:
 
 def parse_steps(model: str) -> list[list[str]] | None:
     """The tool names of each step for `plan:`/`steps:` models; None for echo."""
-    if model.startswith(("plan:", "unstorable:")):
+    if model.startswith(("plan:", "unstorable:", "outsized:")):
         plan = model.partition(":")[2]
         steps = [[n.strip() for n in s.split(",") if n.strip()] for s in plan.split(";")]
         return [s for s in steps if s]
@@ -328,6 +330,9 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
     out_chars = sum(
         len(b["text"]) if b["type"] == "text" else len(json.dumps(b["input"])) for b in content
     )
+    input_tokens = len(json.dumps(messages)) // 4 + 1
+    if body["model"].startswith("outsized:"):
+        content, input_tokens = _outsized(content), 3_000_000_000
     return {
         "id": "msg_" + secrets.token_hex(12),
         "type": "message",
@@ -337,7 +342,7 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
         "stop_reason": stop,
         "stop_sequence": None,
         "usage": {
-            "input_tokens": len(json.dumps(messages)) // 4 + 1,
+            "input_tokens": input_tokens,
             "output_tokens": out_chars // 4 + 1,
         },
     }
@@ -357,6 +362,18 @@ def _unstorable(block: dict[str, Any]) -> dict[str, Any]:
     if block["type"] == "text":
         return {**block, "text": spoil(block["text"])}
     return {**block, "input": spoil(block["input"])}
+
+
+def _outsized(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls with 300-character ids, and one more of a tool with a 100-character name."""
+    calls = [b for b in content if b["type"] == "tool_use"]
+    if not calls:
+        return content
+    invented = {"type": "tool_use", "id": "", "name": "n" * 100, "input": {}}
+    return [
+        {**b, "id": "toolu_" + secrets.token_hex(147)} if b["type"] == "tool_use" else b
+        for b in [*content, invented]
+    ]
 
 
 def _current_turn(messages: list[dict[str, Any]]) -> tuple[int, str]:

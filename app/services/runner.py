@@ -74,7 +74,7 @@ class AgentRunner:
             message.run_id = history[index].run_id
             results.append(message)
             outcome = "durability_error" if is_durability_error(result.content) else "reinvoked"
-            self._metrics.tool_calls.labels(call.name, outcome).inc()
+            self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
             log.info(
                 "repaired orphaned tool call",
                 extra={"tool_call_id": call.id, "tool": call.name, "outcome": outcome},
@@ -238,10 +238,15 @@ class AgentRunner:
             result = await self._registry.execute(
                 call, self._context(turn, call), allowed=agent.tools
             )
-        label = call.name if call.name in agent.tools else "unknown"  # bounded label values
-        self._metrics.tool_calls.labels(label, "error" if result.is_error else "ok").inc()
+        outcome = "error" if result.is_error else "ok"
+        self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
         return result
 
     @staticmethod
     def _context(turn: Turn, call: ToolCall) -> ToolContext:
         return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)
+
+
+def _tool_label(call: ToolCall, agent: AgentConfig) -> str:
+    """The call's tool as a metric label: names the model invents share one value."""
+    return call.name if call.name in agent.tools else "unknown"

@@ -107,23 +107,31 @@ class MessageRepository:
         )
         return [row_to_message(r) for r in rows]
 
-    async def last_tool_step(self, session_key: int) -> list[Message]:
-        """The last assistant message that asked for tools and everything after it."""
+    async def last_tool_steps(self, session_keys: Sequence[int]) -> dict[int, list[Message]]:
+        """Per session, the last assistant message that asked for tools and everything after
+        it (sessions that never asked for a tool are left out): one query for a page."""
+        if not session_keys:
+            return {}
+        message = models.Message
         last = (
-            select(func.max(models.Message.seq))
+            select(message.session_key, func.max(message.seq).label("seq"))
             .where(
-                models.Message.session_key == session_key,
-                models.Message.role == Role.ASSISTANT.value,
-                models.Message.tool_calls.is_not(None),
+                message.session_key.in_(session_keys),
+                message.role == Role.ASSISTANT.value,
+                message.tool_calls.is_not(None),
             )
-            .scalar_subquery()
+            .group_by(message.session_key)
+            .subquery()
         )
         rows = await self._s.scalars(
-            select(models.Message)
-            .where(models.Message.session_key == session_key, models.Message.seq >= last)
-            .order_by(models.Message.seq)
+            select(message)
+            .join(last, (message.session_key == last.c.session_key) & (message.seq >= last.c.seq))
+            .order_by(message.session_key, message.seq)
         )
-        return [row_to_message(r) for r in rows]
+        steps: dict[int, list[Message]] = {}
+        for row in rows:
+            steps.setdefault(row.session_key, []).append(row_to_message(row))
+        return steps
 
     async def page(
         self, session_key: int, *, after_seq: int | None, limit: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,9 +42,9 @@ class SessionService:
         """One session with its status."""
         async with self.sessions.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
-            orphans = await self._has_orphans(session, row)
+            orphaned = await self._orphaned(session, [row])
         held = await self.ownership.is_held(session_id)
-        return _session_read(row, _status(held=held, orphans=orphans))
+        return _session_read(row, _status(held=held, orphans=bool(orphaned)))
 
     async def list(
         self,
@@ -63,7 +64,7 @@ class SessionService:
                 after=decode_cursor(after) if after else None,
                 limit=limit + 1,
             )
-            orphaned = {r.id for r in rows[:limit] if await self._has_orphans(session, r)}
+            orphaned = await self._orphaned(session, rows[:limit])
         # One ownership lookup for the page, outside the transaction.
         held = await self.ownership.held_among([r.id for r in rows[:limit]])
         page = [
@@ -130,9 +131,10 @@ class SessionService:
             raise SessionBusy(session_id, active) from busy
 
     @staticmethod
-    async def _has_orphans(session: AsyncSession, row: models.Session) -> bool:
-        _, orphans = orphaned_calls(await MessageRepository(session).last_tool_step(row.key))
-        return bool(orphans)
+    async def _orphaned(session: AsyncSession, rows: Sequence[models.Session]) -> set[str]:
+        """Which of the sessions have calls waiting for a result (`needs_resume`)."""
+        steps = await MessageRepository(session).last_tool_steps([r.key for r in rows])
+        return {r.id for r in rows if orphaned_calls(steps.get(r.key, []))[1]}
 
     @staticmethod
     async def _visible(

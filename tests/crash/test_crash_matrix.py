@@ -115,12 +115,17 @@ def list_messages(client: httpx.Client, session_id: str = SESSION) -> list[Json]
 
 
 def session_status(client: httpx.Client, session_id: str = SESSION) -> str | None:
-    """The session's `status`; None when it does not exist."""
+    """The session's `status`; None when it does not exist. The list says the same."""
     response = client.get(f"/v1/sessions/{session_id}")
+    listed = client.get("/v1/sessions")
+    assert listed.status_code == 200, listed.text
+    in_list = [s["status"] for s in listed.json()["data"] if s["id"] == session_id]
     if response.status_code == 404:
+        assert in_list == []
         return None
     assert response.status_code == 200, response.text
     status: str = response.json()["status"]
+    assert in_list == [status]
     return status
 
 

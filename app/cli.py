@@ -30,7 +30,10 @@ def _settings() -> Settings:
         settings = Settings()
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+            if e["loc"]
+            else e["msg"].removeprefix("Value error, ")  # a check across variables
+            for e in exc.errors()
         )
         raise click.ClickException(f"invalid environment: {problems}") from None
     configure_logging(settings.log_level, settings.log_format)

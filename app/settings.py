@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from dotenv import load_dotenv
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,6 +31,18 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     # On SIGTERM: stop taking runs, give runs in progress this long to finish, then exit.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _takeover_spans_missed_heartbeats(self) -> Settings:
+        # A holder stops dispatching once its heartbeat is takeover/2 old: that must span
+        # a couple of heartbeats, or live holders would refuse their own runs between beats.
+        if self.session_takeover_after_s < 4 * self.session_heartbeat_s:
+            raise ValueError(
+                "SESSION_TAKEOVER_AFTER_S must be at least 4 times SESSION_HEARTBEAT_S"
+                f" (it is {self.session_takeover_after_s:g}, the heartbeat"
+                f" {self.session_heartbeat_s:g})"
+            )
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from types import TracebackType
 
 _CHUNK = 65536
@@ -21,6 +22,7 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._stalled_until = 0.0
         self.port = 0
 
     def start(self) -> TcpProxy:
@@ -55,6 +57,11 @@ class TcpProxy:
             sock.close()
         for thread in threads:
             thread.join(timeout=5)
+
+    def stall(self, seconds: float) -> None:
+        """Hold what either side sends for `seconds`, then pass it on: a database that
+        answers late, connections kept."""
+        self._stalled_until = time.monotonic() + seconds
 
     def restore(self) -> None:
         """Listen again on the same port."""
@@ -102,6 +109,8 @@ class TcpProxy:
                 data = src.recv(_CHUNK)
                 if not data:
                     break
+                if (held := self._stalled_until - time.monotonic()) > 0:
+                    time.sleep(held)
                 dst.sendall(data)
         except OSError:
             pass

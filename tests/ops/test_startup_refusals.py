@@ -53,6 +53,17 @@ def test_values_of_the_wrong_type_are_named_one_line_each(tmp_path: Path) -> Non
     assert "; LOG_FORMAT: Input should be 'json' or 'text'" in logs, logs
 
 
+def test_a_takeover_time_shorter_than_four_heartbeats_is_refused(tmp_path: Path) -> None:
+    # Holders stop their own runs once their heartbeat is half the takeover time old: with
+    # fewer beats in that half, live runs would be refused between two beats.
+    env = {"SESSION_HEARTBEAT_S": "1", "SESSION_TAKEOVER_AFTER_S": "3.5"}
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'beat.db'}", env)
+    assert (
+        "invalid environment: SESSION_TAKEOVER_AFTER_S must be at least 4 times"
+        " SESSION_HEARTBEAT_S (it is 3.5, the heartbeat 1)"
+    ) in logs, logs
+
+
 def test_a_database_that_cannot_be_used_is_named_in_one_line(
     tmp_path: Path, database_url: str
 ) -> None:

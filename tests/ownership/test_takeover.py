@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
+from tests.ops.proxy import TcpProxy
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     POSTGRES_ONLY,
@@ -154,3 +157,31 @@ def test_holder_that_lost_its_lock_dispatches_no_further_tool(
     assert tool_server.count("post_slack") == 0, tool_server.invocations
     with b.client() as client:
         assert history(client, session) == messages
+
+
+def test_a_database_that_answers_late_costs_the_holder_no_session(
+    database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """PostgreSQL stalls for 2 s while a side effect is in flight: less than the time a
+    holder may go without a heartbeat (half of SESSION_TAKEOVER_AFTER_S), so the holder
+    keeps its lock connection, and the turn stores its result and finishes."""
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        servers = Servers(
+            tmp_path, database_url=via_proxy, model_url=fake_model.url, tools_url=tool_server.url
+        )
+        try:
+            server = servers.start("server", env={"SESSION_TAKEOVER_AFTER_S": "6"})
+            turn = Background(server.url, run_body("slow", "Triage issue 3", "s-late-db"))
+            assert tool_server.in_flight.wait(15), "the side effect never started"
+            proxy.stall(2)
+            time.sleep(2.5)  # the heartbeats sent meanwhile are answered, late
+            tool_server.release()
+            answer = turn.join(30)
+            assert isinstance(answer, httpx.Response), answer
+            assert ok(answer)["status"] == "complete"
+            assert tool_server.count("slow_post") == 1
+            assert "ownership connection lost" not in server.logs()
+        finally:
+            servers.close()

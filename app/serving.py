@@ -56,8 +56,9 @@ class ServeProcess:
         log_path: Path,
         argv: Callable[[int], list[str]] | None = None,
         cwd: Path | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self._cwd = cwd
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path

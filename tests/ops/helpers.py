@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.serving import ServeProcess
 from tests.support.agents import write_agents_file
+from tests.support.server import server_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -139,4 +140,9 @@ def command_server(
     log_path: Path,
 ) -> ServeProcess:
     """A server that runs `argv(port)` with exactly `env` (plus its DATABASE_URL)."""
-    return ServeProcess(env={**env, "DATABASE_URL": database_url}, log_path=log_path, argv=argv)
+    return ServeProcess(
+        env={**env, "DATABASE_URL": database_url},
+        log_path=log_path,
+        argv=argv,
+        port=server_port(),
+    )

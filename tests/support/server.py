@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 from pathlib import Path
 
 from app.serving import ServeProcess, agent_runner_command, free_port
 
 AGENT_RUNNER = agent_runner_command()[0]
 
-__all__ = ["AGENT_RUNNER", "ServerProcess", "free_port"]
+__all__ = ["AGENT_RUNNER", "ServerProcess", "free_port", "server_port"]
+
+# A port is free when drawn but bound only once the server has started, seconds later: two
+# test processes (pytest-xdist workers) asking the kernel for any free port could both be
+# given it. Each worker draws from its own range instead, below the kernel's ephemeral ports.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORTS = itertools.cycle(range(20000 + 500 * (_WORKER % 20), 20500 + 500 * (_WORKER % 20)))
+
+
+def server_port() -> int:
+    """A free port of this test process's own range, for a server it starts."""
+    for _ in range(500):
+        port = next(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("every port of this test process's range is in use")
 
 
 class ServerProcess(ServeProcess):
@@ -43,4 +64,5 @@ class ServerProcess(ServeProcess):
             },
             log_path=log_path,
             cwd=cwd,
+            port=server_port(),
         )

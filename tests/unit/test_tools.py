@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from app.domain import ToolCall, ToolResult
+from app.serving import free_port
 from app.tools.base import ToolContext, ToolFailed
 from app.tools.builtin import clock, lookup_order, send_email
 from app.tools.builtin.orders import fake_order
@@ -96,14 +97,6 @@ def server() -> Iterator[LocalServer]:
         uv.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:

@@ -25,7 +25,7 @@ def refusal(
     )
     try:
         with pytest.raises(RuntimeError, match="server exited"):
-            server.start(timeout=20)
+            server.start(timeout=120)  # it exits long before, however loaded the machine
     finally:
         server.kill()  # had it started
     logs = server.logs()

@@ -66,7 +66,7 @@ class ServeProcess:
         self._argv = argv or _serve_argv
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, *, timeout: float = 30) -> Self:
+    def start(self, *, timeout: float = 60) -> Self:
         """Spawn the server and wait until /healthz answers."""
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(

@@ -82,7 +82,7 @@ class Journal:
         """Write #1: the assistant message with its tool calls (and the user message)."""
         self._stamp(turn, [assistant])
 
-    def check_owned(self, turn: Turn) -> None:
+    async def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
@@ -146,9 +146,9 @@ class DurableJournal(Journal):
             await self._append(turn, [assistant])
         self._failpoints.reach("after-write-1")
 
-    def check_owned(self, turn: Turn) -> None:
+    async def check_owned(self, turn: Turn) -> None:
         assert turn.session_id is not None
-        self._ownership.check(turn.session_id)
+        await self._ownership.check(turn.session_id)
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         self._stamp(turn, results)

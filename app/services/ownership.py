@@ -14,10 +14,10 @@ Two layers:
 Fencing: every durable write includes `fence_sql` — "this process's lock connection
 still holds this session's lock" (a `pg_locks` lookup) — in its own transaction, so a runner
 that lost the session writes nothing more. Before each tool dispatch the runner also checks
-locally that its lock connection is alive and answered a heartbeat recently (`check`), so a
-runner resumed after a takeover dispatches nothing. On SQLite one process owns the file (a
-second is refused at start); `LocalOwnership` is the in-process layer alone, and a restart
-releases everything.
+that its lock connection is alive and answered a heartbeat recently, beating at once when
+the last one is late (`check`), so a runner resumed after a takeover dispatches nothing.
+On SQLite one process owns the file (a second is refused at start); `LocalOwnership` is
+the in-process layer alone, and a restart releases everything.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class Ownership(Protocol):
         """The bind parameters of `fence_sql` for a session."""
         ...
 
-    def check(self, session_id: str) -> None:
+    async def check(self, session_id: str) -> None:
         """Raise SessionConflict if this process can no longer be sure it owns the session."""
         ...
 
@@ -235,7 +235,7 @@ class LocalOwnership:
     def fence_params(self, session_id: str) -> dict[str, Any]:
         return {}
 
-    def check(self, session_id: str) -> None:
+    async def check(self, session_id: str) -> None:
         return None
 
     async def is_held(self, session_id: str) -> bool:
@@ -313,11 +313,21 @@ class PostgresOwnership:
         hi, lo = _key_parts(lock_key(session_id))
         return {"fence_pid": self._pid, "fence_hi": hi, "fence_lo": lo}
 
-    def check(self, session_id: str) -> None:
-        stale = time.monotonic() - self._last_beat > self._takeover_after_s / 2
+    async def check(self, session_id: str) -> None:
+        if self._stale():
+            # The heartbeat is late: the event loop was held up (a tool that blocks it), or
+            # the database answers slowly. Beat now: an answer means the lock connection, and
+            # every lock on it, is alive, and restarts the idle time other replicas wait out
+            # before taking over; no answer, and the session may be gone.
+            with contextlib.suppress(ConnectionError):
+                await self._heartbeat(if_stale=True)
         lost = session_id not in self._held  # its lock went with an earlier connection
-        if self._conn is None or self._conn.is_closed() or stale or lost:
+        if self._conn is None or self._conn.is_closed() or self._stale() or lost:
             raise SessionConflict(session_id)
+
+    def _stale(self) -> bool:
+        """The last heartbeat is older than a holder may go without one and still dispatch."""
+        return time.monotonic() - self._last_beat > self._takeover_after_s / 2
 
     async def is_held(self, session_id: str) -> bool:
         return bool(await self.held_among([session_id]))
@@ -342,15 +352,26 @@ class PostgresOwnership:
         """Heartbeat on the lock connection, re-opening it (holding nothing) when it was lost."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
-            try:
-                async with self._io:
-                    conn = await self._connection()
-                    # As long as a holder may go without a beat before `check` stops its
-                    # runs: a database that answers late, not never, costs no session.
-                    await conn.fetchval("SELECT 1", timeout=self._takeover_after_s / 2)
-                self._last_beat = time.monotonic()
-            except Exception as exc:
-                self._drop(exc)
+            with contextlib.suppress(ConnectionError):
+                await self._heartbeat()
+
+    async def _heartbeat(self, *, if_stale: bool = False) -> None:
+        """One beat (with `if_stale`, none if another beat landed while this one waited its
+        turn); a connection that fails it, or does not answer in as long as a holder may go
+        without a beat before `check` stops its runs, is dropped (ConnectionError). A
+        database that answers late, not never, costs no session."""
+        try:
+            async with self._io:
+                if if_stale and not self._stale():
+                    return
+                conn = await self._connection()
+                await conn.fetchval("SELECT 1", timeout=self._takeover_after_s / 2)
+            self._last_beat = time.monotonic()
+        except ConnectionError:
+            raise
+        except Exception as exc:
+            self._drop(exc)
+            raise ConnectionError("the ownership connection is down") from exc
 
     def _drop(self, exc: BaseException) -> None:
         """Close the lock connection after a statement or heartbeat on it failed: every lock

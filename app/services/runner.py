@@ -207,7 +207,7 @@ class AgentRunner:
 
         async def limited(call: ToolCall) -> ToolResult:
             async with limit:
-                journal.check_owned(turn)  # a runner that lost the session dispatches nothing
+                await journal.check_owned(turn)  # a runner that lost the session dispatches nothing
                 return await self._execute(turn, call, agent)
 
         async def flush() -> None:
@@ -228,7 +228,7 @@ class AgentRunner:
                 batch.append(call)
                 continue
             await flush()
-            journal.check_owned(turn)
+            await journal.check_owned(turn)
             results.append(await self._execute(turn, call, agent))
         await flush()
         return results

@@ -32,6 +32,13 @@ class Servers:
         with self._agents_file.open("a") as file:
             file.write(f'  {name}:\n    model: "{model}"\n    tools: [{", ".join(tools)}]\n')
 
+    def add_tool(self, name: str, *, python: str) -> None:
+        """Add a Python tool (`module:function`) to the agents file of the servers made after
+        this call."""
+        text = self._agents_file.read_text()
+        entry = f'  {name}:\n    python: "{python}"\n'
+        self._agents_file.write_text(text.replace("\nagents:\n", f"\n{entry}agents:\n", 1))
+
     def new(
         self, label: str, *, failpoints: str | None = None, env: dict[str, str] | None = None
     ) -> ServerProcess:

@@ -185,3 +185,40 @@ def test_a_database_that_answers_late_costs_the_holder_no_session(
             assert "ownership connection lost" not in server.logs()
         finally:
             servers.close()
+
+
+LOOP_HOLDER = """
+import time
+
+
+async def hold_the_loop(arguments, context):
+    time.sleep(2.5)  # not awaited: every other task of the process waits too
+    return {"held": True}
+"""
+
+
+def test_a_tool_that_holds_the_event_loop_costs_other_sessions_nothing(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer, tmp_path: Path
+) -> None:
+    """A Python tool holds the event loop for 2.5 s, longer than a holder may go without a
+    heartbeat, while four other sessions run: each beats at once before its next dispatch,
+    finds its session still its own, and finishes."""
+    (tmp_path / "loop_holder.py").write_text(LOOP_HOLDER)
+    servers.add_tool("hold_the_loop", python="loop_holder:hold_the_loop")
+    servers.add_agent("loop-holder", model="plan:hold_the_loop", tools=["hold_the_loop"])
+    server = servers.start("server", env={"PYTHONPATH": str(tmp_path)})
+    fake_model.set_delay(0.2)
+    turns = [
+        Background(server.url, run_body("ten-steps", "Triage issue 4", f"s-loop-{i}"))
+        for i in range(4)
+    ]
+    wait_until(lambda: len(fake_model.requests) >= 4, timeout=15, what="the turns' model calls")
+    for _ in range(2):
+        with server.client() as client:
+            held = ok(client.post("/v1/runs", json=run_body("loop-holder", "Hold it", None)))
+        assert held["status"] == "complete", held
+    for turn in turns:
+        answer = turn.join(60)
+        assert isinstance(answer, httpx.Response), answer
+        assert ok(answer)["status"] == "complete"
+    assert tool_server.count("get_issue") == 40

@@ -182,7 +182,7 @@ class RecordingJournal(Journal):
     async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
         self.records.append(("start", list(interrupted)))
 
-    def check_owned(self, turn: Turn) -> None:
+    async def check_owned(self, turn: Turn) -> None:
         self.checks.append(len(PROBE.calls))
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
@@ -203,8 +203,8 @@ class LosingJournal(RecordingJournal):
         super().__init__()
         self.owned = owned
 
-    def check_owned(self, turn: Turn) -> None:
-        super().check_owned(turn)
+    async def check_owned(self, turn: Turn) -> None:
+        await super().check_owned(turn)
         if len(self.checks) > self.owned:
             assert turn.session_id is not None
             raise SessionConflict(turn.session_id)

@@ -51,16 +51,20 @@ PG_FENCE_SQL = (
 )
 
 
-# The (hi, lo) key parts, of those given as two arrays, whose advisory lock some connection to
-# this database holds. Advisory locks are per database: another database's on the same server
-# with the same key are another deployment's sessions.
-HELD_AMONG_SQL = """
+# A pg_locks row `l` that is a session's lock held by some runner: a granted advisory lock on
+# a bigint key (objsubid = 1) in this database. Advisory locks are per database: another
+# database's on the same server with the same key are another deployment's sessions.
+SESSION_LOCK_HELD = (
+    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+# The (hi, lo) key parts, of those given as two arrays, whose session lock is held.
+HELD_AMONG_SQL = f"""
     SELECT k.hi, k.lo FROM unnest($1::bigint[], $2::bigint[]) AS k(hi, lo)
     WHERE EXISTS (
         SELECT 1 FROM pg_locks l
-        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-          AND l.classid = k.hi::oid AND l.objid = k.lo::oid
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+        WHERE {SESSION_LOCK_HELD} AND l.classid = k.hi::oid AND l.objid = k.lo::oid)
 """
 
 
@@ -429,13 +433,11 @@ class PostgresOwnership:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
         hi, lo = _key_parts(key)
         row = await self._query(
-            """
+            f"""
             SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
             FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE l.locktype = 'advisory' AND l.granted
+            WHERE {SESSION_LOCK_HELD}
               AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
-              AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database
-                                                   WHERE datname = current_database())
             """,
             hi,
             lo,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 import httpx
 import uvicorn
@@ -46,6 +46,23 @@ def _serve_argv(port: int) -> list[str]:
     return [*agent_runner_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
 
 
+class Child(Protocol):
+    """What `ServeProcess` needs of a started process: `subprocess.Popen`'s interface."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
 class ServeProcess:
     """One `agent-runner serve` process with exactly `env`; its output goes to `log_path`."""
 
@@ -64,12 +81,11 @@ class ServeProcess:
         self.log_path = log_path
         self._env = env
         self._argv = argv or _serve_argv
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: Child | None = None
 
-    def start(self, *, timeout: float = 60) -> Self:
-        """Spawn the server and wait until /healthz answers."""
+    def _spawn(self) -> Child:
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
+            return subprocess.Popen(
                 self._argv(self.port),
                 env=self._env,
                 cwd=self._cwd,
@@ -77,6 +93,10 @@ class ServeProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
+
+    def start(self, *, timeout: float = 60) -> Self:
+        """Spawn the server and wait until /healthz answers."""
+        self.process = self._spawn()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

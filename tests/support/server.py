@@ -1,28 +1,55 @@
-"""`agent-runner serve` as a real subprocess, for tests that kill it."""
+"""`agent-runner serve` as a real process, for tests that kill it."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from app.serving import ServeProcess, agent_runner_command, free_port
+from app.serving import Child, ServeProcess, agent_runner_command, free_port
+from tests.support.forked import ForkedServer
 
 AGENT_RUNNER = agent_runner_command()[0]
 
 __all__ = ["AGENT_RUNNER", "ServerProcess", "free_port", "server_port"]
 
 # A port is free when drawn but bound only once the server has started, seconds later: two
-# test processes (pytest-xdist workers) asking the kernel for any free port could both be
-# given it. Each worker draws from its own range instead, below the kernel's ephemeral ports.
-_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-_PORTS = itertools.cycle(range(20000 + 500 * (_WORKER % 20), 20500 + 500 * (_WORKER % 20)))
+# test processes (pytest-xdist workers, or two checkouts' suites) asking the kernel for any free
+# port could both be given it. Each test process takes a block of ports of its own instead,
+# below the kernel's ephemeral ports, and holds a lock on it (flock) until it exits.
+_BLOCK = 250
+_FIRST_PORT, _LAST_PORT = 20000, 30000
+
+
+def _take_port_block() -> range:
+    for start in range(_FIRST_PORT, _LAST_PORT, _BLOCK):
+        lock = os.open(
+            f"{tempfile.gettempdir()}/agent-runner-test-ports-{start}.lock",
+            os.O_RDWR | os.O_CREAT,
+            0o666,
+        )
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock)
+            continue
+        return range(start, start + _BLOCK)  # the lock's descriptor stays open: held till exit
+    raise RuntimeError("every block of test ports is taken by other test processes")
+
+
+_PORTS: Iterator[int] | None = None
 
 
 def server_port() -> int:
-    """A free port of this test process's own range, for a server it starts."""
-    for _ in range(500):
+    """A free port of this test process's own block, for a server it starts."""
+    global _PORTS
+    if _PORTS is None:
+        _PORTS = itertools.cycle(_take_port_block())
+    for _ in range(_BLOCK):
         port = next(_PORTS)
         with socket.socket() as sock:
             try:
@@ -30,12 +57,13 @@ def server_port() -> int:
             except OSError:
                 continue
         return port
-    raise RuntimeError("every port of this test process's range is in use")
+    raise RuntimeError("every port of this test process's block is in use")
 
 
 class ServerProcess(ServeProcess):
     """A server on `database_url`, with the test model and agents, and this environment
-    less any ANTHROPIC_* or API_KEYS of the developer's."""
+    less any ANTHROPIC_* or API_KEYS of the developer's: `agent-runner serve` forked from a
+    process that has imported it (tests/support/forked.py)."""
 
     def __init__(
         self,
@@ -66,3 +94,7 @@ class ServerProcess(ServeProcess):
             cwd=cwd,
             port=server_port(),
         )
+
+    def _spawn(self) -> Child:
+        argv = ["serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        return ForkedServer(argv, env=self._env, cwd=self._cwd, log=self.log_path)

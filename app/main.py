@@ -24,12 +24,8 @@ from app.llm.router import ModelRouter
 from app.llm.scripted import unknown_script
 from app.logs import AccessLog
 from app.metrics import Metrics
-from app.services.ownership import (
-    LocalOwnership,
-    Ownership,
-    PostgresOwnership,
-    serving_lock_file,
-)
+from app.services.ownership import LocalOwnership, Ownership, serving_lock_file
+from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService

@@ -24,7 +24,7 @@ class Settings(BaseSettings):
     anthropic_timeout_s: float = Field(default=600.0, gt=0)
     database_pool_size: int = Field(default=10, ge=1)
     # PostgreSQL session ownership: the lock connection's heartbeat, and how long a holder may
-    # miss it before another runner takes its sessions over (services/ownership.py).
+    # miss it before another runner takes its sessions over (services/pg_ownership.py).
     session_heartbeat_s: float = Field(default=0.5, gt=0)
     session_takeover_after_s: float = Field(default=3.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"

@@ -1,0 +1,274 @@
+"""Session ownership across replicas on PostgreSQL (see services/ownership.py).
+
+`PostgresOwnership` holds a session-level advisory lock per session on ONE dedicated
+connection per process. PostgreSQL releases a session-level lock when its connection closes,
+so ownership dies with the process: after `kill -9` the kernel closes the socket and the next
+request takes the session over at once. A holder that is alive but stalled (SIGSTOP, a
+partition) keeps its socket open, so the lock connection also sends a heartbeat query every
+`heartbeat_s`; a request that finds the lock held by a connection idle for longer than
+`takeover_after_s` terminates that backend (`pg_terminate_backend`), which frees the lock, and
+takes the session.
+
+Fencing: `fence_sql` is "this process's lock connection still holds this session's lock" (a
+`pg_locks` lookup). Before each tool dispatch `check` makes sure the lock connection is alive
+and answered a heartbeat recently, beating at once when the last one is late, so a runner
+resumed after a takeover dispatches nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import asyncpg
+
+from app.db.session import PG_CONNECTION_ERRORS
+from app.errors import SessionBusy, SessionConflict
+from app.services.ownership import ActiveRuns
+
+log = logging.getLogger(__name__)
+
+# True while the backend `fence_pid` (this process's lock connection) holds the advisory lock
+# whose key pg_locks shows as (classid, objid) = (fence_hi, fence_lo).
+PG_FENCE_SQL = (
+    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND pid = :fence_pid AND classid = :fence_hi AND objid = :fence_lo AND objsubid = 1)"
+)
+
+
+# A pg_locks row `l` that is a session's lock held by some runner: a granted advisory lock on
+# a bigint key (objsubid = 1) in this database. Advisory locks are per database: another
+# database's on the same server with the same key are another deployment's sessions.
+SESSION_LOCK_HELD = (
+    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+# The (hi, lo) key parts, of those given as two arrays, whose session lock is held.
+HELD_AMONG_SQL = f"""
+    SELECT k.hi, k.lo FROM unnest($1::bigint[], $2::bigint[]) AS k(hi, lo)
+    WHERE EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE {SESSION_LOCK_HELD} AND l.classid = k.hi::oid AND l.objid = k.lo::oid)
+"""
+
+
+def lock_key(session_id: str) -> int:
+    """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
+    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
+
+
+def _key_parts(key: int) -> tuple[int, int]:
+    # pg_locks shows a bigint key as classid = high 32 bits, objid = low 32 bits, objsubid = 1.
+    unsigned = key & 0xFFFFFFFFFFFFFFFF
+    return unsigned >> 32, unsigned & 0xFFFFFFFF
+
+
+class PostgresOwnership:
+    """Advisory locks on one connection per process, with heartbeat-based takeover."""
+
+    def __init__(self, dsn: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
+        self.active = ActiveRuns()
+        self._dsn = dsn
+        self._heartbeat_s = heartbeat_s
+        self._takeover_after_s = takeover_after_s
+        self._conn: asyncpg.Connection | None = None
+        self._pid = -1
+        self._held: set[str] = set()  # sessions locked on the current connection
+        self._io = asyncio.Lock()  # one query at a time on the lock connection
+        self._last_beat = 0.0
+        self._beater: asyncio.Task[None] | None = None
+        self.statements = 0
+
+    async def start(self) -> None:
+        try:
+            await self._connect()
+        except Exception as exc:  # the heartbeat keeps trying; requests answer 503 meanwhile
+            log.warning("ownership connection failed (%s)", type(exc).__name__)
+        self._beater = asyncio.create_task(self._beat(), name="ownership-heartbeat")
+
+    async def stop(self) -> None:
+        if self._beater is not None:
+            self._beater.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beater
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+
+    @asynccontextmanager
+    async def hold(self, session_id: str) -> AsyncIterator[None]:
+        await self.active.claim(session_id)
+        try:
+            key = lock_key(session_id)
+            if not await self._try_lock(key) and not await self._take_over(key):
+                raise SessionBusy(session_id, None)
+            self._held.add(session_id)
+            try:
+                yield
+            finally:
+                self._held.discard(session_id)
+                await self._unlock(key)
+        finally:
+            self.active.release(session_id)
+
+    @property
+    def fence_sql(self) -> str:
+        return PG_FENCE_SQL
+
+    def fence_params(self, session_id: str) -> dict[str, Any]:
+        hi, lo = _key_parts(lock_key(session_id))
+        return {"fence_pid": self._pid, "fence_hi": hi, "fence_lo": lo}
+
+    async def check(self, session_id: str) -> None:
+        if self._stale():
+            # The heartbeat is late: the event loop was held up (a tool that blocks it), or
+            # the database answers slowly. Beat now: an answer means the lock connection, and
+            # every lock on it, is alive, and restarts the idle time other replicas wait out
+            # before taking over; no answer, and the session may be gone.
+            with contextlib.suppress(ConnectionError):
+                await self._heartbeat(if_stale=True)
+        lost = session_id not in self._held  # its lock went with an earlier connection
+        if self._conn is None or self._conn.is_closed() or self._stale() or lost:
+            raise SessionConflict(session_id)
+
+    def _stale(self) -> bool:
+        """The last heartbeat is older than a holder may go without one and still dispatch."""
+        return time.monotonic() - self._last_beat > self._takeover_after_s / 2
+
+    async def is_held(self, session_id: str) -> bool:
+        return bool(await self.held_among([session_id]))
+
+    async def held_among(self, session_ids: Collection[str]) -> set[str]:
+        held = {s for s in session_ids if self.active.holds(s)}
+        others = {_key_parts(lock_key(s)): s for s in session_ids if s not in held}
+        if others:
+            his, los = zip(*others, strict=True)
+            rows = await self._query(HELD_AMONG_SQL, list(his), list(los), result="rows")
+            held.update(others[(row["hi"], row["lo"])] for row in rows)
+        return held
+
+    async def _connect(self) -> None:
+        conn = await asyncpg.connect(self._dsn, timeout=5)
+        self._pid = await conn.fetchval("SELECT pg_backend_pid()")
+        self._held = set()  # a new connection holds no lock
+        self._conn = conn
+        self._last_beat = time.monotonic()
+
+    async def _beat(self) -> None:
+        """Heartbeat on the lock connection, re-opening it (holding nothing) when it was lost."""
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            with contextlib.suppress(ConnectionError):
+                await self._heartbeat()
+
+    async def _heartbeat(self, *, if_stale: bool = False) -> None:
+        """One beat (with `if_stale`, none if another beat landed while this one waited its
+        turn); a connection that fails it, or does not answer in as long as a holder may go
+        without a beat before `check` stops its runs, is dropped (ConnectionError). A
+        database that answers late, not never, costs no session."""
+        try:
+            async with self._io:
+                if if_stale and not self._stale():
+                    return
+                conn = await self._connection()
+                await conn.fetchval("SELECT 1", timeout=self._takeover_after_s / 2)
+            self._last_beat = time.monotonic()
+        except ConnectionError:
+            raise
+        except Exception as exc:
+            self._drop(exc)
+            raise ConnectionError("the ownership connection is down") from exc
+
+    def _drop(self, exc: BaseException) -> None:
+        """Close the lock connection after a statement or heartbeat on it failed: every lock
+        died with it, so runs in flight fail their next fence."""
+        if self._conn is not None:
+            log.warning("ownership connection lost (%s)", type(exc).__name__)
+            self._conn.terminate()
+            self._conn = None
+            self._held.clear()
+
+    async def _connection(self) -> asyncpg.Connection:
+        """The lock connection, re-opened on demand (call with `_io` held).
+
+        A new connection holds no lock, and fences name its pid: runs that held sessions on the
+        old one keep failing their writes and checks.
+        """
+        if self._conn is not None and self._conn.is_closed():
+            log.warning("ownership connection lost; the sessions it held are gone")
+            self._conn = None
+        if self._conn is None:
+            try:
+                await self._connect()
+            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+                raise ConnectionError("the ownership connection is down") from exc
+        assert self._conn is not None
+        return self._conn
+
+    async def ping(self) -> None:
+        """Raise ConnectionError unless the lock connection answers."""
+        await self._query("SELECT 1")
+
+    async def _query(
+        self, sql: str, *args: Any, result: Literal["value", "row", "rows"] = "value"
+    ) -> Any:
+        """One statement on the lock connection: its value, its row (or None), or all its
+        rows; a failed connection is dropped and reported as ConnectionError (503)."""
+        self.statements += 1
+        async with self._io:
+            conn = await self._connection()
+            fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
+            try:
+                return await fetch(sql, *args)
+            except PG_CONNECTION_ERRORS as exc:
+                self._drop(exc)
+                raise ConnectionError("the ownership connection is down") from exc
+
+    async def _try_lock(self, key: int) -> bool:
+        return bool(await self._query("SELECT pg_try_advisory_lock($1)", key))
+
+    async def _unlock(self, key: int) -> None:
+        with contextlib.suppress(Exception):
+            await self._query("SELECT pg_advisory_unlock($1)", key)
+
+    async def _holder(self, key: int) -> tuple[int, float] | None:
+        """The pid holding `key` and how long its connection has been idle, if anyone does."""
+        hi, lo = _key_parts(key)
+        row = await self._query(
+            f"""
+            SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
+            FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+            WHERE {SESSION_LOCK_HELD}
+              AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+            """,
+            hi,
+            lo,
+            result="row",
+        )
+        if row is None:
+            return None
+        return int(row["pid"]), float(row["idle_s"] or 0.0)
+
+    async def _take_over(self, key: int) -> bool:
+        """Take the lock from a holder that missed its heartbeats; False if it is alive."""
+        holder = await self._holder(key)
+        if holder is not None:
+            pid, idle_s = holder
+            if idle_s < self._takeover_after_s:
+                return False
+            log.warning("taking over a session from a stalled runner", extra={"pid": pid})
+            await self._query("SELECT pg_terminate_backend($1)", pid)
+        # The terminated backend exits asynchronously; its locks go with it.
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if await self._try_lock(key):
+                return True
+            await asyncio.sleep(0.05)
+        return False

@@ -5,21 +5,24 @@ from __future__ import annotations
 import logging
 import os
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import click
 import uvicorn
-from fastapi import FastAPI
 from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from app.api.deps import Lifecycle
 from app.db.migrate import upgrade
 from app.errors import ConfigError
 from app.logs import configure_logging
-from app.main import create_app
 from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings, load_env_file
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from app.api.deps import Lifecycle
 
 log = logging.getLogger("app.cli")
 
@@ -82,6 +85,10 @@ def main() -> None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 def serve(host: str, port: int) -> None:
     """Upgrade the schema to the newest migration, then serve."""
+    # Imported here: the app loads the anthropic SDK (~2 s), which `--help` and `migrate`
+    # have no use for.
+    from app.main import create_app
+
     settings = _settings()
     try:
         app = create_app(settings)

@@ -24,6 +24,7 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(
     [
         "app.cli",
+        "app.main",
         "asyncpg",
         "aiosqlite",
         "sqlalchemy.dialects.postgresql.asyncpg",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests.support.server import ServerProcess
+from app.serving import ServeProcess
+from tests.support.server import ServerProcess, server_port
 
 
 def refusal(
@@ -29,8 +31,28 @@ def refusal(
     finally:
         server.kill()  # had it started
     logs = server.logs()
+    assert server.process is not None and server.process.returncode == 1, logs
     assert "Traceback" not in logs, logs
     return logs
+
+
+def test_the_installed_command_refuses_as_the_test_servers_do(tmp_path: Path) -> None:
+    # Test servers are forks that call the command's entry point (tests/support/forked.py);
+    # this is the installed `agent-runner serve` itself.
+    database_url = f"sqlite:///{tmp_path / 'x.db'}"
+    server = ServeProcess(
+        env={**os.environ, "DATABASE_URL": database_url, "LOG_LEVEL": "verbose"},
+        log_path=tmp_path / "command.log",
+        port=server_port(),
+    )
+    try:
+        with pytest.raises(RuntimeError, match="server exited with 1"):
+            server.start(timeout=120)
+    finally:
+        server.kill()
+    forked = refusal(tmp_path, database_url, {"LOG_LEVEL": "verbose"})
+    assert server.logs() == forked
+    assert forked.startswith("Error: invalid environment: LOG_LEVEL: Input should be"), forked
 
 
 def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: Path) -> None:

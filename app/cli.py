@@ -1,4 +1,4 @@
-"""The `agent-runner` command: serve, migrate."""
+"""The `agent-runner` command: serve, migrate, bench."""
 
 from __future__ import annotations
 

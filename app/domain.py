@@ -40,7 +40,7 @@ class RunStatus(StrEnum):
     TOKEN_BUDGET_EXHAUSTED = "token_budget_exhausted"
     ERROR = "error"
     INTERRUPTED = "interrupted"
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # CONTRACT §3 (later): no run is cancelled yet
 
 
 class SessionStatus(StrEnum):

@@ -1,7 +1,8 @@
 """Logging: one JSON object per line (or text), with the ids of the run being served.
 
-The runner sets `run_id`, `session_id`, `agent` and `tool_call_id` in context variables;
-a filter copies them onto every record made while they are set, whichever module logs.
+The run service sets `run_id`, `session_id` and `agent`, and the runner `tool_call_id`, in
+context variables; a filter copies them onto every record made while they are set, whichever
+module logs.
 Message contents and API keys are never put in log records at INFO.
 """
 

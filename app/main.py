@@ -67,7 +67,9 @@ def build_ownership(db: Database, settings: Settings) -> Ownership:
 
 
 def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None) -> FastAPI:
-    """Build the app; engine, clients and registry are created by the lifespan."""
+    """Build the app. The configuration (agents file, failpoints, API keys) is read here, so
+    that `serve` refuses a bad one before it binds; the engine, the model client and
+    ownership are created by the lifespan."""
     settings = settings or Settings()
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file)

@@ -1,4 +1,5 @@
-"""Service configuration; the only module that reads the environment."""
+"""Service configuration; the only module that reads the environment (but for the example
+`send_email` tool's DEMO_OUTBOX, app/tools/builtin/outbox.py)."""
 
 from __future__ import annotations
 

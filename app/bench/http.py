@@ -35,8 +35,6 @@ from app.bench.service import check_run, check_side_effects, sessions_of
 from app.schemas.runs import RunRead
 from app.serving import ServeProcess, ThreadedServer
 
-START_TIMEOUT_S = 30
-
 
 def scenario_app(steps: int) -> Starlette:
     """The fake Messages API (`/v1/messages`) and the two tools (`/tools/<name>`)."""

@@ -123,7 +123,7 @@ class SessionService:
             async with self.ownership.hold(session_id):
                 async with self.sessions.begin() as session:
                     await self._visible(session, session_id, tenant_id, user_id)
-                # Every write goes through db.writes (app/db/session.py, InlineTransactor).
+                # Every write goes through db.writes (app/db/session.py, a Transactor).
                 await self.db.writes.transact(partial(delete_session, session_id=session_id))
         except SessionBusy as busy:
             self.metrics.session_busy.inc()

@@ -45,8 +45,6 @@ class Tool:
     handler: ToolHandler
     safe_to_retry: bool = False
     parallel: bool = False
-    kind: str = "python"  # "python" or "http"
-    target: str = ""  # dotted path or URL, for display
     timeout_s: float | None = None  # how long a call may take (None: the handler's own bound)
 
     @property
@@ -67,5 +65,5 @@ class AgentConfig:
     max_tool_concurrency: int = 5
     token_budget: int | None = None
     max_tokens: int = 4096
-    journal: str = "per_step"
+    journal: str = "per_step"  # CONTRACT §2's per_call journal is (later): refused at load
     description: str | None = None

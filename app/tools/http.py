@@ -22,8 +22,8 @@ BODY_EXCERPT_CHARS = 500
 class SharedHttpClient:
     """One lazily created httpx.AsyncClient shared by every HTTP tool of a registry.
 
-    Created on first use so that loading a registry (for example to list tools from the CLI)
-    opens no connection pool that nobody would close.
+    Created on first use so that loading a registry (`serve` checks the agents file before
+    it starts) opens no connection pool that nobody would close.
     """
 
     def __init__(self) -> None:

@@ -119,9 +119,7 @@ class ToolRegistry:
         return ToolResult.ok(call, value)
 
     def _invalid_arguments(self, tool: Tool, call: ToolCall) -> str | None:
-        validator = self._validators.get(tool.name)
-        if validator is None:  # a tool added to `tools` after construction
-            validator = self._validators[tool.name] = _validator(tool.input_schema)
+        validator = self._validators[tool.name]
         try:
             error = best_match(validator.iter_errors(call.arguments))
         except Exception as exc:  # a broken schema must not make execute() raise
@@ -323,7 +321,7 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
     handler: ToolHandler
     if entry.http is not None:
         handler = _http_handler(entry.http, http)
-        kind, target, default_description = "http", entry.http.url, None
+        default_description = None
         if entry.timeout_s is not None:
             raise _Problem("timeout_s is for python tools; an http tool sets http.timeout_s")
         timeout_s = None  # the handler bounds its own exchange
@@ -333,7 +331,7 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
             handler = load_python_handler(entry.python)
         except TargetError as exc:
             raise _Problem(str(exc)) from exc
-        kind, target, default_description = "python", entry.python, description_of(handler)
+        default_description = description_of(handler)
         timeout_s = entry.timeout_s or PYTHON_TIMEOUT_S
     return Tool(
         name=name,
@@ -342,8 +340,6 @@ def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
         handler=handler,
         safe_to_retry=entry.safe_to_retry,
         parallel=entry.parallel,
-        kind=kind,
-        target=target,
         timeout_s=timeout_s,
     )
 

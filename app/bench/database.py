@@ -14,7 +14,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, Text, event, text
 from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
-from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions
+from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_writes
 from app.db.journal_store import JournalStore, PostgresJournalStore
 from app.db.session import Database, InlineTransactor
 from app.services.ownership import Ownership
@@ -165,7 +165,7 @@ async def commit_floor(db: Database, store: JournalStore, options: BenchOptions)
     try:
         for index in range(options.warmup + max(30, options.sessions)):
             start = time.perf_counter()
-            for _ in range(2 * options.steps + 1):
+            for _ in range(durable_writes(options.steps)):
                 await transaction()
             if index >= options.warmup:
                 times.append((time.perf_counter() - start) * 1000)

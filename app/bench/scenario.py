@@ -72,6 +72,11 @@ def step_calls(k: int) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def durable_writes(steps: int) -> int:
+    """CONTRACT §2's transactions of a fresh session's turn: two per step and the answer."""
+    return 2 * steps + 1
+
+
 def messages_per_session(steps: int) -> int:
     """Messages a fresh session holds after one turn: user, steps x 3, final answer."""
     return 2 + 3 * steps

@@ -34,10 +34,12 @@ from app.bench.scenario import (
     BenchModel,
     BenchOptions,
     agents_yaml,
+    durable_writes,
     messages_per_session,
 )
 from app.db.session import Database
 from app.failpoints import Failpoints
+from app.llm.scripted import PREFIX as SCRIPTED
 from app.llm.scripted import ScriptedLLMClient
 from app.main import build_ownership
 from app.metrics import Metrics
@@ -75,8 +77,8 @@ class Rig:
         settings = Settings(database_url=database_url)
         db = await Database.connect(database_url, pool_size=settings.database_pool_size)
         agents = {
-            AGENT: (f"scripted:{AGENT}", options.steps),
-            LONG_AGENT: (f"scripted:{LONG_AGENT}", options.long_steps),
+            AGENT: (f"{SCRIPTED}{AGENT}", options.steps),
+            LONG_AGENT: (f"{SCRIPTED}{LONG_AGENT}", options.long_steps),
         }
         registry = parse_registry(agents_yaml(agents), label="bench scenario")
         long_model = BenchModel(options.long_steps)
@@ -213,7 +215,7 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         transactions=transactions,
         throughput=rate,
         long_session=long,
-        commit_floor=CommitFloor(2 * options.steps + 1, floor, overhead / floor.median),
+        commit_floor=CommitFloor(durable_writes(options.steps), floor, overhead / floor.median),
         side_effects=side_effects,
     )
     return figures, version

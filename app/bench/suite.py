@@ -13,7 +13,13 @@ from sqlalchemy.engine import make_url
 
 from app.bench.http import measure_http
 from app.bench.report import Report, targets
-from app.bench.scenario import BenchError, BenchOptions, messages_per_session
+from app.bench.scenario import (
+    ISSUE_BYTES,
+    TEXT_CHARS,
+    BenchError,
+    BenchOptions,
+    messages_per_session,
+)
 from app.bench.service import measure_service
 from app.db.migrate import upgrade
 from app.db.session import MEMORY_URL
@@ -38,8 +44,8 @@ def run_bench(options: BenchOptions) -> Report:
             "warmup": options.warmup,
             "long_steps": options.long_steps,
             "concurrency": options.concurrency,
-            "text_chars": 200,
-            "issue_bytes": 196,
+            "text_chars": TEXT_CHARS,
+            "issue_bytes": ISSUE_BYTES,
         },
         machine={
             "cpus": os.cpu_count(),

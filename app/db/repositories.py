@@ -183,13 +183,16 @@ class RunRepository:
         )
         return newer is not None
 
+    @staticmethod
+    def _running(session_id: str) -> Select[str]:
+        return select(models.Run.id).where(
+            models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING
+        )
+
     async def latest_running(self, session_id: str) -> str | None:
         """The newest run of the session still marked `running`."""
         return await self._s.scalar(
-            select(models.Run.id)
-            .where(models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING)
-            .order_by(models.Run.created_at.desc())
-            .limit(1)
+            self._running(session_id).order_by(models.Run.created_at.desc()).limit(1)
         )
 
     async def finished_since(self, session_id: str, moment: datetime) -> str | None:
@@ -201,14 +204,9 @@ class RunRepository:
             .limit(1)
         )
 
-    async def unfinished(self, session_id: str) -> list[str]:
+    async def running_ids(self, session_id: str) -> list[str]:
         """Ids of the session's runs still marked `running`."""
-        result = await self._s.scalars(
-            select(models.Run.id).where(
-                models.Run.session_id == session_id, models.Run.status == RunStatus.RUNNING
-            )
-        )
-        return list(result)
+        return list(await self._s.scalars(self._running(session_id)))
 
     async def list_for_session(
         self, session_id: str, *, after: tuple[datetime, str] | None, limit: int

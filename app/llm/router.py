@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from app.llm.anthropic import AnthropicLLMClient
 from app.llm.base import LLMClient, ModelRequest, ModelResponse
+from app.llm.scripted import PREFIX as SCRIPTED_PREFIX
 from app.llm.scripted import ScriptedLLMClient
-
-SCRIPTED_PREFIX = "scripted:"
 
 
 class ModelRouter:

@@ -34,19 +34,21 @@ from app.services.ownership import ActiveRuns
 
 log = logging.getLogger(__name__)
 
-# True while the backend `fence_pid` (this process's lock connection) holds the advisory lock
-# whose key pg_locks shows as (classid, objid) = (fence_hi, fence_lo).
+# A pg_locks row `l` that is a session lock: a granted advisory lock on a bigint key, which
+# pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1 (`_key_parts`).
+_SESSION_LOCK = "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+
+# True while the backend `fence_pid` (this process's lock connection, on this database) holds
+# the session lock whose key parts are (fence_hi, fence_lo).
 PG_FENCE_SQL = (
-    "EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
-    " AND pid = :fence_pid AND classid = :fence_hi AND objid = :fence_lo AND objsubid = 1)"
+    f"EXISTS (SELECT 1 FROM pg_locks l WHERE {_SESSION_LOCK}"
+    " AND l.pid = :fence_pid AND l.classid = :fence_hi AND l.objid = :fence_lo)"
 )
 
-
-# A pg_locks row `l` that is a session's lock held by some runner: a granted advisory lock on
-# a bigint key (objsubid = 1) in this database. Advisory locks are per database: another
+# A session lock held by any runner of this database. Advisory locks are per database: another
 # database's on the same server with the same key are another deployment's sessions.
 SESSION_LOCK_HELD = (
-    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+    f"{_SESSION_LOCK}"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
 

@@ -211,7 +211,7 @@ class RunService:
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
         agent = self.registry.agent(body.agent)
-        history, unfinished, earlier, overtaken = await self._load(turn, body)
+        history, left_running, earlier, overtaken = await self._load(turn, body)
         if earlier is not None:
             # A turn that finished while we waited, or that a later turn has overtaken, is not
             # run again: its stored record is the answer.
@@ -223,7 +223,7 @@ class RunService:
         journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
         # The run is stored, and the dead runs end, before any repair re-runs a tool (which
         # may take a while): meanwhile a 409 names this run, and no dead run looks alive.
-        interrupted = [r for r in unfinished if r != turn.run_id]
+        interrupted = [r for r in left_running if r != turn.run_id]
         await journal.record_start(turn, interrupted)
         if interrupted:  # their runners died: this is where they end
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
@@ -285,7 +285,7 @@ class RunService:
     async def _load(
         self, turn: Turn, body: RunCreate
     ) -> tuple[list[Message], list[str], models.Run | None, bool]:
-        """Check the caller may use the session; its history, unfinished runs, keyed run,
+        """Check the caller may use the session; its history, the runs left `running`, keyed run,
         and whether a later run has started since the keyed one."""
         async with self.sessions.begin() as session:
             row = await self._usable_session(session, turn, body)
@@ -295,10 +295,10 @@ class RunService:
             turn.stored_count = row.message_count
             runs = RunRepository(session)
             history = await MessageRepository(session).history(row.key)
-            unfinished = await runs.unfinished(row.id)
+            left_running = await runs.running_ids(row.id)
             earlier = await self._keyed(runs, row.id, turn)
             overtaken = earlier is not None and await runs.started_after(earlier)
-        return history, unfinished, earlier, overtaken
+        return history, left_running, earlier, overtaken
 
     @staticmethod
     def _continue(turn: Turn, earlier: models.Run, history: list[Message]) -> None:

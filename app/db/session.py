@@ -251,11 +251,11 @@ def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
 class Database:
     """An engine, its sessionmaker for reads, its way of writing and what kind of store it is.
 
-    `sessions` only ever read: the journal's writes go through app/db/journal_store.py and
+    `reads` only ever reads: the journal's writes go through app/db/journal_store.py and
     every other write through `writes`."""
 
     engine: AsyncEngine
-    sessions: async_sessionmaker[AsyncSession]
+    reads: async_sessionmaker[AsyncSession]
     durable: bool
     writes: Transactor
     _scratch: Path | None = None

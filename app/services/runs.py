@@ -84,7 +84,7 @@ async def active_run(
     deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
     while True:
         held = await ownership.is_held(session_id)
-        async with db.sessions.begin() as session:
+        async with db.reads.begin() as session:
             runs = RunRepository(session)
             active = await runs.latest_running(session_id)
             if active is None and not held:
@@ -133,7 +133,6 @@ class RunService:
     metrics: Metrics
 
     def __post_init__(self) -> None:
-        self.sessions = self.db.sessions
         self.store = journal_store(self.db, self.ownership.fence_sql)
 
     async def create(
@@ -253,7 +252,7 @@ class RunService:
 
     async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
         """May the caller use the session? The run an earlier request with this key started."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             row = await self._usable_session(session, turn, body)
             if row is None:
                 return None
@@ -287,7 +286,7 @@ class RunService:
     ) -> tuple[list[Message], list[str], models.Run | None, bool]:
         """Check the caller may use the session; its history, the runs left `running`, keyed run,
         and whether a later run has started since the keyed one."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             row = await self._usable_session(session, turn, body)
             if row is None:
                 return [], [], None, False
@@ -315,7 +314,7 @@ class RunService:
         self, run_id: str, *, tenant_id: str | None, user_id: str | None = None
     ) -> RunRead:
         """A stored run with its messages; stateless runs are never stored."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             run = await RunRepository(session).get(run_id)
             owner = await SessionRepository(session).get(run.session_id) if run else None
             if run is None or owner is None or owner.tenant_id != tenant_id:

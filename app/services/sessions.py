@@ -33,14 +33,11 @@ class SessionService:
     ownership: Ownership
     metrics: Metrics
 
-    def __post_init__(self) -> None:
-        self.sessions = self.db.sessions
-
     async def get(
         self, session_id: str, *, tenant_id: str | None, user_id: str | None
     ) -> SessionRead:
         """One session with its status."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
             orphaned = await self._orphaned(session, [row])
         held = await self.ownership.is_held(session_id)
@@ -56,7 +53,7 @@ class SessionService:
         limit: int,
     ) -> Page[SessionRead]:
         """Sessions, most recently updated first."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             rows = await SessionRepository(session).list(
                 tenant_id=tenant_id,
                 agent=agent,
@@ -85,7 +82,7 @@ class SessionService:
     ) -> Page[MessageRead]:
         """The history in order."""
         after_seq = decode_seq(after) if after is not None else None
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
             rows = await MessageRepository(session).page(
                 row.key, after_seq=after_seq, limit=limit + 1
@@ -104,7 +101,7 @@ class SessionService:
         limit: int,
     ) -> Page[RunSummary]:
         """The session's runs, newest first."""
-        async with self.sessions.begin() as session:
+        async with self.db.reads.begin() as session:
             await self._visible(session, session_id, tenant_id, user_id)
             rows = await RunRepository(session).list_for_session(
                 session_id, after=decode_cursor(after) if after else None, limit=limit + 1
@@ -116,12 +113,12 @@ class SessionService:
 
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""
-        async with self.sessions.begin() as session:  # not revealed by a 409 to others
+        async with self.db.reads.begin() as session:  # not revealed by a 409 to others
             await self._visible(session, session_id, tenant_id, user_id)
         asked = utcnow()
         try:
             async with self.ownership.hold(session_id):
-                async with self.sessions.begin() as session:
+                async with self.db.reads.begin() as session:
                     await self._visible(session, session_id, tenant_id, user_id)
                 # Every write goes through db.writes (app/db/session.py, a Transactor).
                 await self.db.writes.transact(partial(delete_session, session_id=session_id))

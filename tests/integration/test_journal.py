@@ -121,7 +121,7 @@ class Stored:
 
 
 async def read(db: Database, *run_ids: str, session_id: str = SESSION) -> Stored:
-    async with db.sessions() as session:
+    async with db.reads() as session:
         row = await SessionRepository(session).get(session_id)
         history = await MessageRepository(session).history(row.key) if row else []
         runs = {}

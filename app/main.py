@@ -24,6 +24,7 @@ from app.llm.router import ModelRouter
 from app.llm.scripted import unknown_script
 from app.logs import AccessLog
 from app.metrics import Metrics
+from app.services.health import HealthService
 from app.services.ownership import LocalOwnership, Ownership, serving_lock_file
 from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
@@ -97,11 +98,10 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
         runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
         runs_service = RunService(db, registry, runner, failpoints, ownership, metrics)
         app.state.services = Services(
-            db=db,
             registry=registry,
             runs=runs_service,
             sessions=SessionService(db, ownership, metrics),
-            head_revision=head_revision() if db.durable else None,
+            health=HealthService(db, ownership, head_revision() if db.durable else None),
             api_keys=api_keys,
             metrics=metrics,
             lifecycle=lifecycle,

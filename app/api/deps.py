@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.auth import ApiKeys
-from app.db.session import Database
 from app.errors import ShuttingDown
 from app.metrics import Metrics
+from app.services.health import HealthService
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.tools.registry import ToolRegistry
@@ -30,11 +30,10 @@ class Lifecycle:
 class Services:
     """What the lifespan builds once and every request shares."""
 
-    db: Database
     registry: ToolRegistry
     runs: RunService
     sessions: SessionService
-    head_revision: str | None
+    health: HealthService
     api_keys: ApiKeys | None
     metrics: Metrics
     lifecycle: Lifecycle

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.session import MEMORY_URL, async_url
+from app.db.session import MEMORY_URL, Database, async_url
 
 # Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.
 _in_process = threading.Lock()
@@ -83,3 +83,13 @@ def downgrade(database_url: str, revision: str) -> None:
     """Downgrade the schema to `revision` (used by the migration tests)."""
     with _in_process, _file_lock(database_url):
         command.downgrade(alembic_config(database_url), revision)
+
+
+async def database_revision(db: Database) -> str | None:
+    """The schema's revision (None for memory://, which has none), read on a new connection:
+    raises whatever the driver raises when the database does not answer."""
+    async with db.engine.connect() as conn:
+        if not db.durable:
+            await conn.execute(text("SELECT 1"))
+            return None
+        return await current_revision(conn)

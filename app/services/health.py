@@ -1,0 +1,34 @@
+"""Readiness: whether this replica can serve runs now."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.db.migrate import database_revision
+from app.db.session import Database
+from app.errors import DatabaseUnavailable, SchemaOutOfDate
+from app.services.ownership import Ownership
+
+
+@dataclass
+class HealthService:
+    db: Database
+    ownership: Ownership
+    head_revision: str | None  # the newest migration's (None for memory://)
+
+    async def readiness(self) -> str | None:
+        """The schema's revision, once the database and the ownership connection answer and
+        the schema is at the newest migration; else DatabaseUnavailable or SchemaOutOfDate."""
+        try:
+            revision = await database_revision(self.db)
+            await self.ownership.ping()
+        except Exception as exc:
+            raise DatabaseUnavailable(
+                f"The database cannot be reached ({type(exc).__name__})."
+            ) from exc
+        if revision != self.head_revision:
+            raise SchemaOutOfDate(
+                f"The schema is at {revision!r}, not {self.head_revision!r}; "
+                "run `agent-runner migrate`."
+            )
+        return revision

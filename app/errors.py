@@ -119,6 +119,40 @@ class ValidationFailed(AppError):
     title = "Validation error"
 
 
+class MethodNotAllowed(AppError):
+    code = "method_not_allowed"
+    status = 405
+    title = "Method not allowed"
+
+    def __init__(self, detail: str, *, allow: str | None) -> None:
+        super().__init__(detail)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": self.allow} if self.allow is not None else {}
+
+
+class PayloadTooLarge(AppError):
+    code = "payload_too_large"
+    status = 413
+    title = "Payload too large"
+
+
+class HttpError(AppError):
+    """Any other HTTP error the framework raises, with its own status."""
+
+    code = "http_error"
+    title = "HTTP error"
+
+    def __init__(self, detail: str, *, status: int, headers: dict[str, str]) -> None:
+        super().__init__(detail)
+        self.status = status
+        self._headers = headers
+
+    def headers(self) -> dict[str, str]:
+        return self._headers
+
+
 class Unavailable(AppError):
     """A 503: this replica cannot serve the request now; `Retry-After` says when to retry."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.problems import problem_response
+from app.errors import PayloadTooLarge
 
 MAX_BODY_BYTES = 1024 * 1024
 
@@ -52,9 +53,6 @@ class BodySizeLimit:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problem_response(
-            status=413,
-            code="payload_too_large",
-            title="Payload too large",
-            detail=f"The request body is over {self.limit} bytes.",
+            PayloadTooLarge(f"The request body is over {self.limit} bytes.")
         )
         await response(scope, receive, send)

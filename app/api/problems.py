@@ -13,51 +13,40 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.errors import AppError, DatabaseUnavailable
+from app.errors import (
+    AppError,
+    DatabaseUnavailable,
+    HttpError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ValidationFailed,
+)
 from app.schemas.common import Problem
 
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
 
-_HTTP_CODES = {
-    404: ("not_found", "Not found"),
-    405: ("method_not_allowed", "Method not allowed"),
-    413: ("payload_too_large", "Payload too large"),
-}
 
-
-def problem_response(
-    *,
-    status: int,
-    code: str,
-    title: str,
-    detail: str,
-    headers: dict[str, str] | None = None,
-    **extra: Any,
-) -> JSONResponse:
-    """A problem+json response."""
+def problem_response(exc: AppError) -> JSONResponse:
+    """The problem+json response of an error."""
     body = Problem(
-        type=f"urn:agent-runner:problem:{code}",
-        title=title,
-        status=status,
-        detail=detail,
-        code=code,
+        type=f"urn:agent-runner:problem:{exc.code}",
+        title=exc.title,
+        status=exc.status,
+        detail=exc.detail,
+        code=exc.code,
     ).model_dump(exclude_none=True)
-    body.update(extra)  # the members this code adds, null ones included
-    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+    body.update(exc.extra)  # the members this code adds, null ones included
+    return JSONResponse(
+        body, status_code=exc.status, headers=exc.headers(), media_type=PROBLEM_JSON
+    )
 
 
 async def _app_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, AppError)
-    return problem_response(
-        status=exc.status,
-        code=exc.code,
-        title=exc.title,
-        detail=exc.detail,
-        headers=exc.headers(),
-        **exc.extra,
-    )
+    return problem_response(exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -72,9 +61,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         # A body is read as JSON only when it says so (FastAPI's guard against cross-site
         # form posts); tell the client why its object was not seen.
         detail = f"Send the body as JSON with Content-Type: application/json. {detail}"
-    return problem_response(
-        status=422, code="validation_error", title="Validation error", detail=detail, errors=errors
-    )
+    return problem_response(ValidationFailed(detail, errors=errors))
 
 
 _HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
@@ -95,22 +82,23 @@ def _allowed_methods(request: Request) -> str | None:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    detail = str(exc.detail)
     if exc.status_code == 400:
         # FastAPI's "error parsing the body" (bytes that are not UTF-8 JSON, nesting too deep):
         # to a client, just another invalid body.
-        return problem_response(
-            status=422,
-            code="validation_error",
-            title="Validation error",
-            detail="The request body is not valid JSON, or nests too deeply to read.",
+        error: AppError = ValidationFailed(
+            "The request body is not valid JSON, or nests too deeply to read."
         )
-    code, title = _HTTP_CODES.get(exc.status_code, ("http_error", "HTTP error"))
-    headers = dict(exc.headers or {})
-    if exc.status_code == 405 and (allowed := _allowed_methods(request)) is not None:
-        headers["Allow"] = allowed
-    return problem_response(
-        status=exc.status_code, code=code, title=title, detail=str(exc.detail), headers=headers
-    )
+    elif exc.status_code == 404:
+        error = NotFound(detail)
+    elif exc.status_code == 413:
+        error = PayloadTooLarge(detail)
+    elif exc.status_code == 405:
+        starlettes = (exc.headers or {}).get("Allow")  # names the first route's methods only
+        error = MethodNotAllowed(detail, allow=_allowed_methods(request) or starlettes)
+    else:
+        error = HttpError(detail, status=exc.status_code, headers=dict(exc.headers or {}))
+    return problem_response(error)
 
 
 def _is_outage(exc: Exception) -> bool:
@@ -124,7 +112,7 @@ async def _database_error(_: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled database error", exc_info=exc)
         return _internal_error()
     log.warning("database unavailable: %s", type(exc).__name__)
-    return await _app_error(_, DatabaseUnavailable("The database cannot be reached; retry later."))
+    return problem_response(DatabaseUnavailable("The database cannot be reached; retry later."))
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -135,9 +123,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def _internal_error() -> JSONResponse:
-    return problem_response(
-        status=500, code="internal_error", title="Internal error", detail="An unexpected error."
-    )
+    return problem_response(AppError("An unexpected error."))
 
 
 def install(app: FastAPI) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -10,7 +9,6 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -30,16 +28,15 @@ from app.errors import (
     IdempotencyKeyReused,
     MemoryStoreNotDurable,
     RunNotFound,
-    SessionAccessDenied,
     SessionAgentMismatch,
     SessionBusy,
     SessionConflict,
-    SessionNotFound,
     ValidationFailed,
 )
 from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, RunSummary, UsageRead
+from app.services.access import active_run, check_session_access
 from app.services.journal import DurableJournal, Journal, Turn
 from app.services.ownership import ActiveRuns, Ownership
 from app.services.runner import AgentRunner, RunOutcome
@@ -48,50 +45,6 @@ from app.tools.registry import ToolRegistry
 log = logging.getLogger(__name__)
 
 UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
-CLOCK_SLACK = timedelta(seconds=1)  # how far replicas' clocks may disagree
-
-
-def check_session_access(
-    row: models.Session, *, tenant_id: str | None, user_id: str | None, reading: bool = False
-) -> None:
-    """Another tenant's session does not exist for the caller; another user's is forbidden.
-
-    A session created with a user_id runs turns only for that user_id; reads (GET, DELETE)
-    that name no user_id act for the tenant, and those that name another are refused.
-    """
-    if row.tenant_id != tenant_id:
-        raise SessionNotFound(row.id)
-    if reading and user_id is None:
-        return
-    if row.user_id is not None and row.user_id != user_id:
-        raise SessionAccessDenied(row.id)
-
-
-async def active_run(
-    db: Database, ownership: Ownership, busy: SessionBusy, session_id: str, *, since: datetime
-) -> str | None:
-    """The run that holds the session (or held it at `since`): what the 409 for `busy` names.
-
-    This process knows its own runs (`busy` names them); another runner's is read from the
-    store.
-    That runner stores its run just after taking the session, so while the session is held
-    and no run shows `running`, wait for it (up to ActiveRuns.SETTLE_WAIT_S); once nobody
-    holds it, the holder has finished: the run that finished last, if after `since` (less a
-    second for clocks of other replicas), is the one that was active."""
-    known: str | None = busy.extra.get("active_run_id")
-    if known is not None:
-        return known
-    deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
-    while True:
-        held = await ownership.is_held(session_id)
-        async with db.reads.begin() as session:
-            runs = RunRepository(session)
-            active = await runs.latest_running(session_id)
-            if active is None and not held:
-                active = await runs.finished_since(session_id, since - CLOCK_SLACK)
-        if active is not None or not held or time.monotonic() > deadline:
-            return active
-        await asyncio.sleep(0.02)
 
 
 def fingerprint(body: RunCreate) -> str:
@@ -266,7 +219,7 @@ class RunService:
         assert body.session_id is not None
         row = await SessionRepository(session).get(body.session_id)
         if row is not None:
-            check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id)
+            check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id, for_turn=True)
             if row.agent != body.agent:
                 raise SessionAgentMismatch(row.id, row.agent, body.agent)
         return row
@@ -319,7 +272,7 @@ class RunService:
             owner = await SessionRepository(session).get(run.session_id) if run else None
             if run is None or owner is None or owner.tenant_id != tenant_id:
                 raise RunNotFound(run_id)
-            check_session_access(owner, tenant_id=tenant_id, user_id=user_id, reading=True)
+            check_session_access(owner, tenant_id=tenant_id, user_id=user_id, for_turn=False)
             rows = await MessageRepository(session).for_run(owner.key, run_id)
         held = await self.ownership.is_held(run.session_id)
         summary = run_summary(run, held=held)

@@ -23,8 +23,9 @@ from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
+from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
-from app.services.runs import active_run, check_session_access, run_summary
+from app.services.runs import run_summary
 
 
 @dataclass
@@ -140,7 +141,7 @@ class SessionService:
         row = await SessionRepository(session).get(session_id)
         if row is None:
             raise SessionNotFound(session_id)
-        check_session_access(row, tenant_id=tenant_id, user_id=user_id, reading=True)
+        check_session_access(row, tenant_id=tenant_id, user_id=user_id, for_turn=False)
         return row
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Generic, Literal, TypeVar
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, Field
 from app.errors import ValidationFailed
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 MAX_PAGE = 200
 DEFAULT_PAGE = 50
@@ -61,6 +63,12 @@ class Page(BaseModel, Generic[T]):
 
     data: list[T]
     next_after: str | None
+
+
+def next_after(rows: Sequence[R], limit: int, cursor: Callable[[R], str]) -> str | None:
+    """The `next_after` of a page of `limit` rows, read as `limit + 1` to see whether more
+    follow: the cursor of its last row, or None when it is the last page."""
+    return cursor(rows[limit - 1]) if len(rows) > limit else None
 
 
 def encode_cursor(moment: datetime, key: str) -> str:

@@ -21,7 +21,7 @@ from app.db.session import Database
 from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
-from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor
+from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, next_after
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
@@ -69,8 +69,8 @@ class SessionService:
             _session_read(r, _status(held=r.id in held, orphans=r.id in orphaned))
             for r in rows[:limit]
         ]
-        last = rows[limit - 1] if len(rows) > limit else None
-        return Page(data=page, next_after=encode_cursor(last.updated_at, last.id) if last else None)
+        cursor = next_after(rows, limit, lambda r: encode_cursor(r.updated_at, r.id))
+        return Page(data=page, next_after=cursor)
 
     async def messages(
         self,
@@ -89,8 +89,7 @@ class SessionService:
                 row.key, after_seq=after_seq, limit=limit + 1
             )
         data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
-        more = len(rows) > limit
-        return Page(data=data, next_after=str(rows[limit - 1].seq) if more else None)
+        return Page(data=data, next_after=next_after(rows, limit, lambda r: str(r.seq)))
 
     async def runs(
         self,
@@ -109,8 +108,8 @@ class SessionService:
             )
         held = await self.ownership.is_held(session_id)
         data = [run_summary(r, held=held) for r in rows[:limit]]
-        last = rows[limit - 1] if len(rows) > limit else None
-        return Page(data=data, next_after=encode_cursor(last.created_at, last.id) if last else None)
+        cursor = next_after(rows, limit, lambda r: encode_cursor(r.created_at, r.id))
+        return Page(data=data, next_after=cursor)
 
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import RegistryDep
 from app.api.problems import responses
-from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page
+from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page, next_after
 from app.schemas.runs import AgentRead
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
@@ -24,7 +24,7 @@ async def list_agents(
     names = sorted(n for n in registry.agents if after is None or n > after)
     page = names[:limit]
     data = [AgentRead.of(registry.agents[n], registry.tools_for(registry.agents[n])) for n in page]
-    return Page(data=data, next_after=page[-1] if len(names) > limit else None)
+    return Page(data=data, next_after=next_after(names, limit, str))
 
 
 @router.get("/{name}", responses=responses(401, 404, 422))

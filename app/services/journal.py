@@ -69,8 +69,9 @@ class RunEnd:
 
 
 class Journal:
-    """Stateless runs: the same calls, nothing written; every message of the turn still
-    names its run (`run_id`), here for both kinds of journal."""
+    """Where the runner records a turn. This base writes nothing: it is a stateless run's
+    journal (`Journal()`). `DurableJournal` writes each step; both name the run on every
+    message of the turn (`run_id`), here."""
 
     async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
         """Start of a turn: the run, and the runs found dead (their runners died)."""

@@ -265,7 +265,7 @@ class Database:
         return self.engine.dialect.name
 
     @classmethod
-    async def connect(cls, database_url: str, *, pool_size: int = 10) -> Database:
+    async def connect(cls, database_url: str, *, pool_size: int) -> Database:
         """Create the engine; memory:// also gets its schema, since it has no migrations."""
         memory = database_url == MEMORY_URL
         scratch = None

@@ -52,7 +52,7 @@ class HttpToolHandler:
         url: str,
         *,
         client: SharedHttpClient,
-        timeout_s: float = 10.0,
+        timeout_s: float,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url

@@ -197,16 +197,19 @@ class ToolEntry(_Strict):
     timeout_s: float | None = Field(default=None, gt=0)  # python tools; http has its own
 
 
+_AGENT_DEFAULTS = AgentConfig(name="", model="")  # the defaults live on AgentConfig
+
+
 class AgentEntry(_Strict):
     model: str = Field(min_length=1)
     system: str | None = None
     description: str | None = None
     tools: list[str] = Field(default_factory=list)
-    max_iterations: int = Field(default=20, ge=1)
-    stuck_threshold: int = Field(default=3, ge=1)
-    max_tool_concurrency: int = Field(default=5, ge=1)
-    token_budget: int | None = Field(default=None, ge=1)
-    max_tokens: int = Field(default=4096, ge=1)
+    max_iterations: int = Field(default=_AGENT_DEFAULTS.max_iterations, ge=1)
+    stuck_threshold: int = Field(default=_AGENT_DEFAULTS.stuck_threshold, ge=1)
+    max_tool_concurrency: int = Field(default=_AGENT_DEFAULTS.max_tool_concurrency, ge=1)
+    token_budget: int | None = Field(default=_AGENT_DEFAULTS.token_budget, ge=1)
+    max_tokens: int = Field(default=_AGENT_DEFAULTS.max_tokens, ge=1)
     journal: Literal["per_step", "per_call"] = "per_step"
 
 

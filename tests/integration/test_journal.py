@@ -33,7 +33,7 @@ WRITE_KINDS = ("start", "repair", "write1", "write2", "final")
 
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await Database.connect(database_url)
+    database = await Database.connect(database_url, pool_size=5)
     try:
         yield database
     finally:

@@ -77,7 +77,7 @@ class AgentRunner:
             self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
             log.info(
                 "repaired orphaned tool call",
-                extra={"tool_call_id": call.id, "tool": call.name, "outcome": outcome},
+                extra={"tool_call_id": call.id, "tool_name": call.name, "outcome": outcome},
             )
         return results
 

@@ -13,10 +13,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.session import MEMORY_URL, Database, async_url
+from app.db.session import MEMORY_URL, Database, async_url, sqlite_file
 
 # Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.
 _in_process = threading.Lock()
@@ -56,11 +55,11 @@ async def current_revision(conn: AsyncConnection) -> str | None:
 @contextmanager
 def _file_lock(database_url: str) -> Iterator[None]:
     """On SQLite, one upgrader at a time per database file (PostgreSQL locks in env.py)."""
-    url = make_url(database_url)
-    if url.get_backend_name() != "sqlite" or not url.database:
+    database = sqlite_file(database_url)
+    if database is None:
         yield
         return
-    path = Path(f"{url.database}.migrate.lock")
+    path = Path(f"{database}.migrate.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:

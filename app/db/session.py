@@ -54,6 +54,16 @@ def _configure_postgres(engine: Engine) -> None:
             context.is_disconnect = True
 
 
+def sqlite_file(database_url: str) -> Path | None:
+    """The file of a SQLite database URL; None for memory://, PostgreSQL, in-memory SQLite."""
+    if database_url == MEMORY_URL:
+        return None
+    url = make_url(database_url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    return Path(url.database)
+
+
 def async_url(database_url: str) -> str:
     """Map a DATABASE_URL of CONTRACT §5 to the async SQLAlchemy URL that serves it."""
     if database_url == MEMORY_URL:

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy.engine import make_url
-
-from app.db.session import MEMORY_URL
+from app.db.session import sqlite_file
 from app.errors import ConfigError, SessionBusy
 
 
@@ -132,12 +130,8 @@ class Ownership(Protocol):
 
 def serving_lock_file(database_url: str) -> Path | None:
     """The file whose lock a process serving this SQLite database holds (None: not a file)."""
-    if database_url == MEMORY_URL:
-        return None
-    url = make_url(database_url)
-    if url.get_backend_name() != "sqlite" or not url.database:
-        return None
-    return Path(f"{url.database}.lock")
+    database = sqlite_file(database_url)
+    return None if database is None else Path(f"{database}.lock")
 
 
 def take_serving_lock(lock_file: Path) -> int:

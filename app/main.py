@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.routing import APIRoute
+from starlette.types import Lifespan
 
 from app.api import problems
 from app.api.auth import ApiKeys
@@ -31,7 +33,7 @@ from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.settings import Settings
-from app.tools.registry import load_registry
+from app.tools.registry import ToolRegistry, load_registry
 
 
 def _operation_id(route: APIRoute) -> str:
@@ -75,10 +77,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file)
     if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
-        for agent in registry.agents.values():
-            if (problem := unknown_script(agent.model)) is not None:
-                source = settings.agents_file or "the built-in example agents"
-                raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
+        _refuse_unknown_scripts(registry, settings.agents_file)
     api_keys = ApiKeys.parse(settings.api_keys.get_secret_value()) if settings.api_keys else None
     metrics = Metrics()
     lifecycle = Lifecycle()
@@ -114,6 +113,20 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             await registry.aclose()
             await db.dispose()
 
+    app = _api(lifespan, auth=api_keys is not None)
+    app.state.lifecycle = lifecycle
+    return app
+
+
+def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) -> None:
+    for agent in registry.agents.values():
+        if (problem := unknown_script(agent.model)) is not None:
+            source = agents_file or "the built-in example agents"
+            raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
+
+
+def _api(lifespan: Lifespan[FastAPI], *, auth: bool) -> FastAPI:
+    """The routes, error handlers and middleware."""
     app = FastAPI(
         title="agent-runner",
         version="1",
@@ -131,7 +144,6 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     app.add_middleware(BodySizeLimit)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
-    if api_keys is None:
+    if not auth:
         _document_without_auth(app)
-    app.state.lifecycle = lifecycle
     return app

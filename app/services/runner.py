@@ -111,20 +111,9 @@ class AgentRunner:
                 break
             turn.iterations += 1
             request = ModelRequest(agent.model, system, messages, tools, agent.max_tokens)
-            try:
-                response = await self._complete(request)
-            except LLMError as exc:
-                end = RunEnd(RunStatus.ERROR, last_text, exc.type, exc.message)
-                break
-            except Exception as exc:  # an adapter bug must end the run, not answer a 500
-                log.exception("model call raised", extra={"run_id": turn.run_id})
-                end = RunEnd(RunStatus.ERROR, last_text, "internal_error", str(exc))
-                break
-            turn.usage.add(response.usage)
-            if response.tool_calls and response.stop_reason == "max_tokens":
-                # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
-                # store nothing of this answer (as after a failed model call).
-                end = RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
+            response = await self._ask(turn, agent, request, last_text)
+            if isinstance(response, RunEnd):
+                end = response
                 break
             assistant = Message.assistant(response.text, response.tool_calls)
             last_text = response.text
@@ -153,6 +142,24 @@ class AgentRunner:
                     )
         await self._finish(turn, journal, None, end)
         return RunOutcome(end, turn)
+
+    async def _ask(
+        self, turn: Turn, agent: AgentConfig, request: ModelRequest, last_text: str | None
+    ) -> ModelResponse | RunEnd:
+        """The model's answer, or how the run ends when there is none to act on."""
+        try:
+            response = await self._complete(request)
+        except LLMError as exc:
+            return RunEnd(RunStatus.ERROR, last_text, exc.type, exc.message)
+        except Exception as exc:  # an adapter bug must end the run, not answer a 500
+            log.exception("model call raised", extra={"run_id": turn.run_id})
+            return RunEnd(RunStatus.ERROR, last_text, "internal_error", str(exc))
+        turn.usage.add(response.usage)
+        if response.tool_calls and response.stop_reason == "max_tokens":
+            # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
+            # store nothing of this answer (as after a failed model call).
+            return RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
+        return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:
         start = time.perf_counter()

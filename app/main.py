@@ -33,7 +33,8 @@ from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.settings import Settings
-from app.tools.registry import ToolRegistry, load_registry
+from app.tools.agents_file import load_registry
+from app.tools.registry import ToolRegistry
 
 
 def _operation_id(route: APIRoute) -> str:

@@ -48,7 +48,8 @@ from app.services.ownership import Ownership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.settings import Settings
-from app.tools.registry import ToolRegistry, parse_registry
+from app.tools.agents_file import parse_registry
+from app.tools.registry import ToolRegistry
 
 
 def check_run(run: RunRead, steps: int) -> None:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from app.settings import Settings
-from app.tools.registry import load_registry
+from app.tools.agents_file import load_registry
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,9 +13,11 @@ import pytest
 
 from app.domain import ToolCall, ToolResult
 from app.errors import AgentNotFound, ConfigError
+from app.tools import agents_file
 from app.tools import registry as registry_module
+from app.tools.agents_file import load_registry
 from app.tools.base import AgentConfig, Tool, ToolContext, ToolFailed
-from app.tools.registry import ToolRegistry, load_registry
+from app.tools.registry import ToolRegistry
 
 CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_1")
 HERE = "tests.unit.test_registry"
@@ -141,7 +143,7 @@ def test_contract_example_loads(tmp_path: Path) -> None:
     get_issue = registry.tools["get_issue"]
     assert get_issue.safe_to_retry
     assert get_issue.timeout_s is None  # an HTTP tool: its request has the file's timeout_s
-    assert registry.tools["clock"].timeout_s == registry_module.PYTHON_TIMEOUT_S  # Python
+    assert registry.tools["clock"].timeout_s == agents_file.PYTHON_TIMEOUT_S  # Python
     assert registry.tools["clock"].description  # the function's docstring
     assert [t.name for t in registry.tools_for(registry.agent("triage"))] == [
         "get_issue",

@@ -25,8 +25,9 @@ from app.llm.scripted import ScriptedLLMClient, ask, final
 from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
 from app.services.runner import BUDGET_NOTE, AgentRunner, RunOutcome
+from app.tools.agents_file import parse_registry
 from app.tools.base import AgentConfig, ToolContext
-from app.tools.registry import ToolRegistry, parse_registry
+from app.tools.registry import ToolRegistry
 
 HERE = "tests.unit.test_runner"
 SYSTEM = "You are a test agent."

@@ -10,9 +10,9 @@ import pytest
 from app.domain import Message, ToolCall, ToolResult, Usage, durability_error
 from app.llm.base import LLMError, ModelRequest, ModelResponse
 from app.llm.scripted import ScriptedLLMClient, register_script
+from app.tools.agents_file import load_registry
 from app.tools.base import ToolContext
 from app.tools.builtin.orders import fake_order
-from app.tools.registry import load_registry
 
 
 def request(messages: list[Message], *, model: str = "scripted:support") -> ModelRequest:

@@ -21,11 +21,12 @@ from starlette.routing import Route
 
 from app.domain import ToolCall, ToolResult
 from app.serving import free_port
+from app.tools.agents_file import load_registry, parse_registry
 from app.tools.base import ToolContext, ToolFailed
 from app.tools.builtin import clock, lookup_order, send_email
 from app.tools.builtin.orders import fake_order
 from app.tools.http import HttpToolHandler, SharedHttpClient
-from app.tools.registry import ToolRegistry, load_registry, parse_registry
+from app.tools.registry import ToolRegistry
 
 SESSION_CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_abc")
 STATELESS_CTX = ToolContext(session_id=None, run_id="run-9", tool_call_id="toolu_xyz")

@@ -164,6 +164,11 @@ def interrupted_sql(where: str) -> str:
     )
 
 
+# Constraint errors that mean another writer stored the same keys first (a message's seq, the
+# session's id, a run's id or idempotency key); any other is a bug, not a conflict.
+_SQLITE_ANOTHER_WRITER = frozenset({"SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"})
+
+
 class SqliteJournalStore:
     """Each write one transaction body on `Database.writes`: the claim, then the inserts and
     updates, as fixed SQL text (kept prepared by the driver) on the stdlib driver.
@@ -205,8 +210,10 @@ class SqliteJournalStore:
     async def write(self, write: JournalWrite) -> None:
         try:
             statements = await self._writes.transact_driver(lambda d: self._body(d, write))
-        except sqlite3.IntegrityError as exc:  # a second writer got these seqs first
-            raise SessionConflict(write.session_id) from exc
+        except sqlite3.IntegrityError as exc:
+            if exc.sqlite_errorname in _SQLITE_ANOTHER_WRITER:  # it got these seqs first
+                raise SessionConflict(write.session_id) from exc
+            raise  # a bug (a NOT NULL, a CHECK), not a conflict
         except sqlite3.OperationalError as exc:  # locked for too long, disk full, I/O error
             raise DatabaseUnavailable("The database cannot be written now; retry later.") from exc
         for observer in self.observers:
@@ -328,7 +335,7 @@ class PostgresJournalStore:
             claimed = await self.fetchval(
                 statement.sql, statement.args(self._params(write)), write.before_commit
             )
-        except asyncpg.IntegrityConstraintViolationError as exc:
+        except asyncpg.UniqueViolationError as exc:  # another writer stored these keys first
             raise SessionConflict(write.session_id) from exc
         if claimed != 1:
             raise SessionConflict(write.session_id)

@@ -9,10 +9,12 @@ fence has its own tests).
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import asyncpg
 import pytest
 
 from app.db import models
@@ -368,6 +370,21 @@ async def test_two_turns_creating_the_same_session_conflict(
         False,
         False,
     )
+
+
+async def test_a_write_the_schema_refuses_is_an_error_not_a_conflict(
+    db: Database, journal: DurableJournal
+) -> None:
+    # Only another writer's keys make a conflict ("another runner took it over", a 409); a
+    # NOT NULL violation is a bug, and must not be reported as one.
+    turn = new_turn("hello")
+    turn.agent = None  # type: ignore[assignment]  # run.agent is NOT NULL
+    with pytest.raises((sqlite3.IntegrityError, asyncpg.NotNullViolationError)):
+        await journal.record_start(turn, [])
+
+    stored = await read(db, turn.run_id)
+    assert stored.session is None
+    assert stored.runs == {}
 
 
 async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(

@@ -1,12 +1,13 @@
-"""Alembic environment: async engines, and a lock so concurrent upgrades run one at a time."""
+"""Alembic environment: the app's drivers (SQLite's own for SQLite), and a lock so concurrent
+upgrades run one at a time."""
 
 from __future__ import annotations
 
 import asyncio
 
 from alembic import context
-from sqlalchemy import text
-from sqlalchemy.engine import Connection
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -40,8 +41,7 @@ def _run(connection: Connection) -> None:
         context.run_migrations()
 
 
-async def _run_async() -> None:
-    url = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+async def _run_async(url: URL) -> None:
     engine = create_async_engine(url, poolclass=NullPool)
     try:
         async with engine.connect() as connection:
@@ -50,6 +50,25 @@ async def _run_async() -> None:
         await engine.dispose()
 
 
+def _run_sqlite(url: URL) -> None:
+    # The standard library's driver on this thread, not aiosqlite: when a file cannot be
+    # opened, aiosqlite's worker thread outlives the event loop and prints a traceback of its
+    # own after the one-line error (about one start in four).
+    engine = create_engine(url.set(drivername="sqlite"), poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            _run(connection)
+    finally:
+        engine.dispose()
+
+
 if context.is_offline_mode():
     raise SystemExit("offline (--sql) migrations are not supported; run `agent-runner migrate`")
-asyncio.run(_run_async())
+_configured = config.attributes.get("database_url") or config.get_main_option("sqlalchemy.url")
+if _configured is None:
+    raise SystemExit("no database URL: run `agent-runner migrate` (it reads DATABASE_URL)")
+_url = make_url(_configured)
+if _url.get_backend_name() == "sqlite":
+    _run_sqlite(_url)
+else:
+    asyncio.run(_run_async(_url))

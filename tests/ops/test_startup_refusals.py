@@ -107,3 +107,17 @@ def test_a_database_in_a_folder_not_made_yet_is_served(tmp_path: Path) -> None:
     with server, server.client() as client:
         assert client.get("/readyz").status_code == 200
     assert database.exists()
+
+
+def test_an_unusable_sqlite_file_is_refused_in_one_line_every_time(tmp_path: Path) -> None:
+    # Migrating through aiosqlite, its worker thread outlived the event loop when the file
+    # could not be opened, and printed a traceback after the one line in about one start of
+    # four: the refusal is one line on every start, not on most.
+    (tmp_path / "folder.db").mkdir()
+    unusable = f"sqlite:///{tmp_path / 'folder.db'}"
+    for attempt in range(16):
+        (folder := tmp_path / f"start-{attempt}").mkdir()
+        logs = refusal(folder, unusable)
+        assert logs.strip().splitlines() == [
+            f"Error: cannot use the database {unusable}: unable to open database file"
+        ], logs

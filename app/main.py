@@ -42,17 +42,26 @@ def _operation_id(route: APIRoute) -> str:
     return route.name
 
 
-def _document_without_auth(app: FastAPI) -> None:
-    """Without API_KEYS no route takes a key, so /openapi.json must not ask a client for one
-    (a generated client would demand a token)."""
+def _finish_document(app: FastAPI) -> None:
+    """Amend FastAPI's /openapi.json to say what the service does:
+    - it is the same whether API_KEYS is set or not: every /v1 operation takes a bearer key
+      or none (`security: [{}, {scheme: []}]`), so a client generated from any deployment
+      sends a key when given one and works against every other (CONTRACT §3); where a key is
+      needed and missing, the operation's documented 401 says so;
+    - a problem is only ever sent as application/problem+json (FastAPI also lists the
+      route's own application/json for every response with a model)."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         document = generate()  # FastAPI builds it once and keeps it
         for item in document["paths"].values():
             for operation in item.values():
-                operation.pop("security", None)
-        document.get("components", {}).pop("securitySchemes", None)
+                if operation.get("security") and {} not in operation["security"]:
+                    operation["security"].insert(0, {})
+                for response in operation["responses"].values():
+                    content = response.get("content", {})
+                    if problems.PROBLEM_JSON in content:
+                        content.pop("application/json", None)
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to amend the document
@@ -114,7 +123,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             await registry.aclose()
             await db.dispose()
 
-    app = _api(lifespan, auth=api_keys is not None)
+    app = _api(lifespan)
     app.state.lifecycle = lifecycle
     return app
 
@@ -126,7 +135,7 @@ def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) ->
             raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
 
 
-def _api(lifespan: Lifespan[FastAPI], *, auth: bool) -> FastAPI:
+def _api(lifespan: Lifespan[FastAPI]) -> FastAPI:
     """The routes, error handlers and middleware."""
     app = FastAPI(
         title="agent-runner",
@@ -145,6 +154,5 @@ def _api(lifespan: Lifespan[FastAPI], *, auth: bool) -> FastAPI:
     app.add_middleware(BodySizeLimit)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
-    if not auth:
-        _document_without_auth(app)
+    _finish_document(app)
     return app

@@ -63,7 +63,9 @@ def get_registry(services: ServicesDep) -> ToolRegistry:
     return services.registry
 
 
-_bearer = HTTPBearer(auto_error=False, description="An API key from API_KEYS, when it is set.")
+_bearer = HTTPBearer(
+    auto_error=False, description="An API key from API_KEYS; needed only where API_KEYS is set."
+)
 
 
 def get_tenant(

@@ -48,6 +48,12 @@ class Problem(BaseModel):
     )
 
 
+class Health(BaseModel):
+    """This process is alive."""
+
+    status: Literal["ok"]
+
+
 class Readiness(BaseModel):
     """This replica can serve: the database answers at the newest migration."""
 

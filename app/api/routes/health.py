@@ -9,15 +9,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from app.api.deps import ServicesDep
 from app.api.problems import responses
 from app.errors import ShuttingDown
-from app.schemas.common import Readiness
+from app.schemas.common import Health, Readiness
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
+async def healthz() -> Health:
     """The process is alive."""
-    return {"status": "ok"}
+    return Health(status="ok")
 
 
 @router.get("/readyz", responses=responses(503))

@@ -92,6 +92,9 @@ def configure_logging(level: str, fmt: str) -> None:
     logging.getLogger("anthropic").setLevel(max(root.level, logging.INFO))
 
 
+CLIENT_CLOSED_REQUEST = 499
+
+
 class AccessLog:
     """One INFO line per request: method, path, status, duration."""
 
@@ -103,7 +106,8 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status: int | None = None
+        failed = False
 
         async def capture(message: Message) -> None:
             nonlocal status
@@ -113,7 +117,14 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, capture)
+        except BaseException:
+            failed = True
+            raise
         finally:
+            if status is None:
+                # No answer was started: the server answers 500 for an exception; otherwise
+                # the client went away first (nginx's 499, "client closed request").
+                status = 500 if failed else CLIENT_CLOSED_REQUEST
             extra: dict[str, Any] = {
                 "method": scope["method"],
                 "path": scope["path"],

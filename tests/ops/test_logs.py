@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -220,3 +222,28 @@ def test_debug_level_logs_no_message_text_and_no_key(
     assert any(marker in json.dumps(request) for request in fake_model.requests)
     assert marker not in text
     assert key not in text
+
+
+def test_a_client_gone_before_its_body_is_logged_499_not_500(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    server = ServerProcess(
+        database_url=f"sqlite:///{tmp_path / 'gone.db'}",
+        log_path=tmp_path / "server.log",
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+    )
+    with server, server.client() as client:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"ag'
+            )
+        deadline = time.monotonic() + 10
+        while "/v1/runs" not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+        assert client.get("/healthz").status_code == 200  # still serving
+
+    posts = [r for r in json_lines(server.logs()) if r.get("path") == "/v1/runs"]
+    assert [(r["method"], r["status"], r["level"]) for r in posts] == [("POST", 499, "INFO")]

@@ -12,8 +12,8 @@ from fastapi.routing import APIRoute
 from starlette.types import Lifespan
 
 from app.api import problems
-from app.api.auth import ApiKeys
-from app.api.deps import Lifecycle, Services, get_tenant, refuse_nul
+from app.api.auth import ApiKeys, RequireApiKey
+from app.api.deps import Lifecycle, Services, bearer_scheme, refuse_nul
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
@@ -111,7 +111,6 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             runs=runs_service,
             sessions=SessionService(db, ownership, metrics),
             health=HealthService(db, ownership, head_revision() if db.durable else None),
-            api_keys=api_keys,
             metrics=metrics,
             lifecycle=lifecycle,
         )
@@ -123,7 +122,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             await registry.aclose()
             await db.dispose()
 
-    app = _api(lifespan)
+    app = _api(lifespan, api_keys)
     app.state.lifecycle = lifecycle
     return app
 
@@ -135,7 +134,7 @@ def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) ->
             raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
 
 
-def _api(lifespan: Lifespan[FastAPI]) -> FastAPI:
+def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
     """The routes, error handlers and middleware."""
     app = FastAPI(
         title="agent-runner",
@@ -149,9 +148,10 @@ def _api(lifespan: Lifespan[FastAPI]) -> FastAPI:
     )
     problems.install(app)
     for module in (runs, sessions, agents):
-        app.include_router(module.router, dependencies=[Depends(get_tenant)])
+        app.include_router(module.router, dependencies=[Depends(bearer_scheme)])
     app.include_router(health.router)
     app.add_middleware(BodySizeLimit)
+    app.add_middleware(RequireApiKey, keys=api_keys)  # before the body is read
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
     _finish_document(app)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.problems import problem_response
 from app.errors import ConfigError, Unauthorized
 
 
@@ -45,3 +48,37 @@ class ApiKeys:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+class RequireApiKey:
+    """Every /v1 request names its tenant by its key before anything else reads it: a request
+    without a valid key is 401 whatever its body, path or method (no 413 or 422 first, and an
+    unknown caller makes the service parse nothing). The tenant is left in the request's state
+    (`request.state.tenant`, None while API_KEYS is unset) for `app.api.deps.get_tenant`."""
+
+    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        tenant: str | None = None
+        if self.keys is not None:
+            try:
+                tenant = self.keys.tenant(_bearer_token(scope))
+            except Unauthorized as exc:
+                await problem_response(exc)(scope, receive, send)
+                return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
+def _bearer_token(scope: Scope) -> str | None:
+    """The credentials of an `Authorization: Bearer <token>` header (the scheme in any case)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").strip().partition(" ")
+            return token if scheme.lower() == "bearer" else None
+    return None

@@ -8,9 +8,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
-from app.api.auth import ApiKeys
 from app.errors import ShuttingDown
 from app.metrics import Metrics
 from app.services.health import HealthService
@@ -34,7 +33,6 @@ class Services:
     runs: RunService
     sessions: SessionService
     health: HealthService
-    api_keys: ApiKeys | None
     metrics: Metrics
     lifecycle: Lifecycle
 
@@ -63,20 +61,18 @@ def get_registry(services: ServicesDep) -> ToolRegistry:
     return services.registry
 
 
-_bearer = HTTPBearer(
+# Declares the bearer scheme in /openapi.json; the key itself is checked before any parsing,
+# by app.api.auth.RequireApiKey.
+bearer_scheme = HTTPBearer(
     auto_error=False, description="An API key from API_KEYS; needed only where API_KEYS is set."
 )
 
 
-def get_tenant(
-    services: ServicesDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> str | None:
-    """The caller's tenant; None while API_KEYS is unset (a single-tenant service)."""
-    if services.api_keys is None:
-        return None
-    # HTTPBearer has parsed the scheme: no credentials means a missing or non-Bearer header.
-    return services.api_keys.tenant(credentials.credentials if credentials else None)
+def get_tenant(request: Request) -> str | None:
+    """The caller's tenant, as RequireApiKey found it; None while API_KEYS is unset (a
+    single-tenant service)."""
+    tenant: str | None = request.state.tenant
+    return tenant
 
 
 RunServiceDep = Annotated[RunService, Depends(get_run_service)]

@@ -14,6 +14,7 @@ API_KEYS = "key-acme:acme,key-globex:globex"
 ACME = {"Authorization": "Bearer key-acme"}
 GLOBEX = {"Authorization": "Bearer key-globex"}
 SESSION = "s-acme"
+JSON = {"Content-Type": "application/json"}
 
 Call = Callable[[httpx.Client, dict[str, str]], httpx.Response]
 
@@ -46,6 +47,14 @@ def test_api_keys_tenants_and_users(servers: Servers) -> None:
             "list sessions": lambda c, h: c.get("/v1/sessions", headers=h),
             "agents": lambda c, h: c.get("/v1/agents", headers=h),
             "agent": lambda c, h: c.get("/v1/agents/echo", headers=h),
+            # The key is checked before anything else about the request.
+            "bad json": lambda c, h: c.post("/v1/runs", content=b"{", headers={**h, **JSON}),
+            "too large": lambda c, h: c.post("/v1/runs", content=b" " * 2**21, headers=h),
+            "nul in path": lambda c, h: c.get("/v1/runs/%00", headers=h),
+            "bad session id": lambda c, h: c.get("/v1/sessions/a%20b", headers=h),
+            "bad limit": lambda c, h: c.get("/v1/sessions?limit=0", headers=h),
+            "wrong method": lambda c, h: c.put("/v1/runs", headers=h),
+            "unknown path": lambda c, h: c.get("/v1/nothing-here", headers=h),
         }
         for name, call in every_v1.items():
             for headers in (

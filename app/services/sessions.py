@@ -82,7 +82,7 @@ class SessionService:
         limit: int,
     ) -> Page[MessageRead]:
         """The history in order."""
-        after_seq = decode_seq(after) if after is not None else None
+        after_seq = decode_seq(after) if after else None
         async with self.db.reads.begin() as session:
             row = await self._visible(session, session_id, tenant_id, user_id)
             rows = await MessageRepository(session).page(

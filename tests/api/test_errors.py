@@ -260,6 +260,15 @@ async def test_bad_cursors(client: httpx.AsyncClient) -> None:
     assert_all(outcomes, 422, "validation_error")
 
 
+@pytest.mark.usefixtures("session")
+async def test_an_empty_cursor_is_the_first_page(client: httpx.AsyncClient) -> None:
+    for path in [*SESSION_LISTS, "/v1/agents"]:
+        first = await client.get(path)
+        empty = await client.get(path, params={"after": ""})
+        assert first.status_code == 200 and first.json()["data"], (path, first.text)
+        assert (empty.status_code, empty.json()) == (200, first.json()), path
+
+
 # Python's json module takes NaN/Infinity and 1e400 (inf); JSON text, SQLite, PostgreSQL and
 # UTF-8 each refuse some of these values. Each case must end as a 2xx or a 4xx problem.
 HOSTILE_METADATA: dict[str, bytes] = {

@@ -58,10 +58,11 @@ class AgentRunner:
         self._registry = registry
         self._metrics = metrics
 
-    async def repairs(
-        self, turn: Turn, history: list[Message], agent: AgentConfig
+    async def repair(
+        self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
     ) -> list[Message]:
-        """One result for every orphaned call of `history` (CONTRACT §2), not yet stored.
+        """Store one result for every orphaned call of `history` (CONTRACT §2), in one write,
+        and return them.
 
         A `safe_to_retry` tool is invoked again and its real result kept; any other gets
         the durability error, so the model — not the runner — decides whether to repeat it.
@@ -73,11 +74,18 @@ class AgentRunner:
             message = Message.tool(result)
             message.run_id = history[index].run_id
             results.append(message)
-            outcome = "durability_error" if is_durability_error(result.content) else "reinvoked"
-            self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
+            self._metrics.tool_calls.labels(_tool_label(call, agent), _outcome(result)).inc()
+        if not results:
+            return results
+        await journal.record_repairs(turn, results)
+        for call, message in zip(orphans, results, strict=True):  # logged once they are stored
             log.info(
                 "repaired orphaned tool call",
-                extra={"tool_call_id": call.id, "tool_name": call.name, "outcome": outcome},
+                extra={
+                    "tool_call_id": call.id,
+                    "tool_name": call.name,
+                    "outcome": _outcome(message),
+                },
             )
         return results
 
@@ -257,3 +265,8 @@ class AgentRunner:
 def _tool_label(call: ToolCall, agent: AgentConfig) -> str:
     """The call's tool as a metric label: names the model invents share one value."""
     return call.name if call.name in agent.tools else "unknown"
+
+
+def _outcome(repair: ToolResult | Message) -> str:
+    """What the repair of an orphaned call did, for its metric and log line."""
+    return "durability_error" if is_durability_error(repair.content) else "reinvoked"

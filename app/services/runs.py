@@ -181,10 +181,7 @@ class RunService:
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
         assert turn.session_id is not None
         self.ownership.active.confirm(turn.session_id, turn.run_id)
-        repairs = await self.runner.repairs(turn, history, agent)
-        if repairs:
-            await journal.record_repairs(turn, repairs)
-        history.extend(repairs)
+        history.extend(await self.runner.repair(turn, journal, history, agent))
         if earlier is not None:
             turn.messages = [m for m in history if m.run_id == turn.run_id]
         return RunResult(self._outcome_read(await self.runner.run(turn, journal, history, agent)))

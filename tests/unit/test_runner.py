@@ -2,8 +2,9 @@
 
 The journal here is a recording test double: it shows which write the runner makes when and
 every ownership check it asks for, and the in-process tools below record what they see
-(including how many writes and checks came before them). The runner computes repairs without
-writing them; storing them is `Journal.record_repairs`' job (tests/integration/test_journal.py).
+(including how many writes and checks came before them). The runner computes repairs and
+hands them to `Journal.record_repairs` in one write; how that stores them is
+tests/integration/test_journal.py's.
 """
 
 from __future__ import annotations
@@ -192,6 +193,9 @@ class RecordingJournal(Journal):
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         self.records.append(("results", list(results)))
+
+    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+        self.records.append(("repairs", list(repairs)))
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         self.records.append(("end", (final, end)))
@@ -796,15 +800,40 @@ def orphaned_step(*calls: ToolCall) -> list[Message]:
 async def repair(
     registry: ToolRegistry, history: list[Message], *, metrics: Metrics | None = None
 ) -> list[Message]:
-    """The results `AgentRunner.repairs` computes; it writes nothing and leaves `history`."""
-    PROBE.journal = None  # repairs takes no journal: the run service stores them at the start
+    """The results `AgentRunner.repair` stores, all in one write (none when nothing is
+    orphaned); it leaves `history` as it was."""
+    journal = PROBE.journal = RecordingJournal()  # a re-run tool sees nothing stored yet
     before = list(history)
     runner = AgentRunner(
         llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics or Metrics()
     )
-    results = await runner.repairs(new_turn(), history, registry.agent("main"))
+    results = await runner.repair(new_turn(), journal, history, registry.agent("main"))
     assert history == before
+    assert journal.records == ([("repairs", results)] if results else [])
     return results
+
+
+class FailingRepairs(RecordingJournal):
+    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+        raise SessionConflict("sess-1")
+
+
+async def test_a_repair_is_logged_only_once_stored(
+    registry: ToolRegistry, probe: Probe, caplog: pytest.LogCaptureFixture
+) -> None:
+    history = orphaned_step(call("toolu_a", "lookup", id="A-1"), call("toolu_b", "charge"))
+    runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=Metrics())
+    caplog.set_level(logging.INFO, logger="app.services.runner")
+
+    with pytest.raises(SessionConflict):
+        await runner.repair(new_turn(), FailingRepairs(), history, registry.agent("main"))
+    assert "repaired" not in caplog.text
+    await runner.repair(new_turn(), RecordingJournal(), history, registry.agent("main"))
+    logged = [r for r in caplog.records if r.getMessage() == "repaired orphaned tool call"]
+    assert [(r.tool_name, r.outcome) for r in logged] == [  # type: ignore[attr-defined]
+        ("lookup", "reinvoked"),
+        ("charge", "durability_error"),
+    ]
 
 
 def assert_durability_error(message: Message, tool_name: str, tool_call_id: str) -> None:
@@ -838,6 +867,7 @@ async def test_repair_reinvokes_safe_calls_and_gives_the_others_a_durability_err
     assert body(results[0]) == {"id": "A-1", "found": True}
     assert_durability_error(results[1], "charge", "toolu_b")
     assert probe.calls == [("lookup", {"id": "A-1"})]  # charge was not invoked again
+    assert probe.writes_seen == [0]  # stored after the re-run, with the durability error
     assert probe.contexts[0].idempotency_key == "sess-1:toolu_a"
     assert counted_tool_calls(metrics) == {
         ("lookup", "reinvoked"): 1,

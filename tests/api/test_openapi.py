@@ -150,6 +150,27 @@ def test_every_json_answer_is_a_named_schema(openapi: Json) -> None:
     assert inline == []
 
 
+def test_links_lead_from_a_run_to_its_run_and_session(openapi: Json) -> None:
+    by_id = {op["operationId"]: op for op in operations(openapi).values()}
+    schemas = openapi["components"]["schemas"]
+    followed: dict[str, set[str]] = {}
+    for (method, path), operation in operations(openapi).items():
+        for status, response in operation["responses"].items():
+            if not (links := response.get("links")):
+                continue
+            ref = response["content"]["application/json"]["schema"]["$ref"]
+            fields = schemas[ref.rsplit("/", 1)[-1]]["properties"]
+            for link in links.values():
+                target = by_id[link["operationId"]]
+                names = {p["name"] for p in target["parameters"] if p["in"] == "path"}
+                assert set(link["parameters"]) == names, link
+                for expression in link["parameters"].values():
+                    assert expression.removeprefix("$response.body#/") in fields, expression
+                followed.setdefault(f"{method} {path} {status}", set()).add(link["operationId"])
+    leads = {"get_run", "get_session", "list_messages", "list_session_runs", "delete_session"}
+    assert followed == {"post /v1/runs 200": leads, "get /v1/runs/{run_id} 200": leads}
+
+
 def test_document_is_valid_openapi(openapi: Json) -> None:
     validator = pytest.importorskip("openapi_spec_validator")
 

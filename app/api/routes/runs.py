@@ -28,12 +28,32 @@ IdempotencyKey = Annotated[
     WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 255, "pattern": KEY_PATTERN}),
 ]
 
+# OpenAPI links: where a run's ids lead (tools that walk the API, schemathesis among them,
+# follow these; the session ones apply to durable runs, whose session_id is not null).
+RUN_LINKS = {
+    "GetRun": {"operationId": "get_run", "parameters": {"run_id": "$response.body#/run_id"}},
+    **{
+        name: {"operationId": operation, "parameters": {"session_id": "$response.body#/session_id"}}
+        for name, operation in (
+            ("GetSession", "get_session"),
+            ("ListMessages", "list_messages"),
+            ("ListSessionRuns", "list_session_runs"),
+            ("DeleteSession", "delete_session"),
+        )
+    },
+}
+
 
 @router.post(
     "",
     dependencies=[Depends(accepting_runs)],
     responses=responses(401, 403, 404, 409, 413, 422, 503)
-    | {200: {"headers": {"Idempotent-Replayed": {"schema": {"type": "string"}}}}},
+    | {
+        200: {
+            "headers": {"Idempotent-Replayed": {"schema": {"type": "string"}}},
+            "links": RUN_LINKS,
+        }
+    },
 )
 async def create_run(
     body: RunCreate,
@@ -54,7 +74,7 @@ async def create_run(
     return result.run
 
 
-@router.get("/{run_id}", responses=responses(401, 403, 404, 422, 503))
+@router.get("/{run_id}", responses=responses(401, 403, 404, 422, 503) | {200: {"links": RUN_LINKS}})
 async def get_run(
     run_id: str,
     runs: RunServiceDep,

@@ -5,15 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.routing import APIRoute
 from starlette.types import Lifespan
 
 from app.api import problems
 from app.api.auth import ApiKeys, RequireApiKey
 from app.api.deps import Lifecycle, Services, bearer_scheme, refuse_nul
+from app.api.document import finish_document, operation_id
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
@@ -35,36 +34,6 @@ from app.services.sessions import SessionService
 from app.settings import Settings
 from app.tools.agents_file import load_registry
 from app.tools.registry import ToolRegistry
-
-
-def _operation_id(route: APIRoute) -> str:
-    # Handlers are named verb_noun; that name is the stable operationId clients generate from.
-    return route.name
-
-
-def _finish_document(app: FastAPI) -> None:
-    """Amend FastAPI's /openapi.json to say what the service does:
-    - it is the same whether API_KEYS is set or not: every /v1 operation takes a bearer key
-      or none (`security: [{}, {scheme: []}]`), so a client generated from any deployment
-      sends a key when given one and works against every other (CONTRACT §3); where a key is
-      needed and missing, the operation's documented 401 says so;
-    - a problem is only ever sent as application/problem+json (FastAPI also lists the
-      route's own application/json for every response with a model)."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        document = generate()  # FastAPI builds it once and keeps it
-        for item in document["paths"].values():
-            for operation in item.values():
-                if operation.get("security") and {} not in operation["security"]:
-                    operation["security"].insert(0, {})
-                for response in operation["responses"].values():
-                    content = response.get("content", {})
-                    if problems.PROBLEM_JSON in content:
-                        content.pop("application/json", None)
-        return document
-
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to amend the document
 
 
 def build_ownership(db: Database, settings: Settings) -> Ownership:
@@ -141,7 +110,7 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
         version="1",
         summary="Runs LLM agents over REST with durable, at-most-once tool execution.",
         lifespan=lifespan,
-        generate_unique_id_function=_operation_id,
+        generate_unique_id_function=operation_id,
         # A path the API does not have is 404, also with a trailing slash (not a redirect).
         redirect_slashes=False,
         dependencies=[Depends(refuse_nul)],
@@ -154,5 +123,5 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
     app.add_middleware(RequireApiKey, keys=api_keys)  # before the body is read
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
-    _finish_document(app)
+    finish_document(app)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,24 @@ def test_links_lead_from_a_run_to_its_run_and_session(openapi: Json) -> None:
                 followed.setdefault(f"{method} {path} {status}", set()).add(link["operationId"])
     leads = {"get_run", "get_session", "list_messages", "list_session_runs", "delete_session"}
     assert followed == {"post /v1/runs 200": leads, "get /v1/runs/{run_id} 200": leads}
+
+
+def test_string_parameters_say_they_refuse_nul(openapi: Json) -> None:
+    # The service answers 422 for a NUL in any path or query value; the document says so.
+    lax = [
+        (path, parameter["name"])
+        for (_, path), operation in operations(openapi).items()
+        for parameter in operation.get("parameters", [])
+        if parameter["in"] in ("path", "query")
+        for branch in parameter["schema"].get("anyOf", [parameter["schema"]])
+        if branch.get("type") == "string"
+        and (
+            "pattern" not in branch
+            or re.search(branch["pattern"], "a\x00b")
+            or not re.search(branch["pattern"], "a-b")
+        )
+    ]
+    assert lax == []
 
 
 def test_document_is_valid_openapi(openapi: Json) -> None:

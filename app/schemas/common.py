@@ -77,9 +77,9 @@ def next_after(rows: Sequence[R], limit: int, cursor: Callable[[R], str]) -> str
     return cursor(rows[limit - 1]) if len(rows) > limit else None
 
 
-def encode_cursor(moment: datetime, key: str) -> str:
-    """An opaque cursor for keyset pagination on (timestamp, id)."""
-    raw = f"{moment.isoformat()}|{key}".encode()
+def encode_cursor(listing: str, moment: datetime, key: str) -> str:
+    """An opaque cursor for keyset pagination on (timestamp, id) of the list `listing`."""
+    raw = f"{listing}|{moment.isoformat()}|{key}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -90,14 +90,16 @@ def decode_seq(cursor: str) -> int:
     return int(cursor)
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """The (timestamp, id) of a cursor; a malformed one is a validation error."""
+def decode_cursor(listing: str, cursor: str) -> tuple[datetime, str]:
+    """The (timestamp, id) of a cursor of the list `listing`; a malformed one, or another
+    list's, is a validation error."""
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
-        moment, _, key = base64.urlsafe_b64decode(padded).decode().partition("|")
+        kind, _, rest = base64.urlsafe_b64decode(padded).decode().partition("|")
+        moment, _, key = rest.partition("|")
         parsed = datetime.fromisoformat(moment)
-        if not key or "\x00" in key or parsed.tzinfo is None:
-            raise ValueError("not a cursor")
+        if kind != listing or not key or "\x00" in key or parsed.tzinfo is None:
+            raise ValueError("not a cursor of this list")
         return parsed.astimezone(UTC), key
     except (ValueError, OverflowError, binascii.Error, UnicodeDecodeError) as exc:
         raise ValidationFailed(f"'after' is not a cursor this list returned: {cursor!r}") from exc

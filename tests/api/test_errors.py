@@ -71,22 +71,25 @@ SESSION_LISTS = ["/v1/sessions", "/v1/sessions/s-1/messages", "/v1/sessions/s-1/
 BAD_LIMITS = ["0", "-1", "201", "1000", "abc", "1.5", ""]
 
 
-def cursor(raw: str) -> str:
-    """A cursor in the list's format with this decoded content."""
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+def cursor(listing: str, raw: str) -> str:
+    """A cursor in the format of `listing` (sessions, runs) with this decoded content."""
+    return base64.urlsafe_b64encode(f"{listing}|{raw}".encode()).decode().rstrip("=")
 
 
-BAD_CURSORS = [
-    "garbage",
-    "!!!",
-    "-1",
-    "²",  # str.isdigit() says yes, int() says no
-    "9" * 30,
-    cursor("x|y"),
-    cursor("2024-01-01T00:00:00+00:00"),
-    cursor("0001-01-01T00:00:00+14:00|k"),
-    cursor("9999-12-31T23:59:59-14:00|k"),
-]
+def bad_cursors(path: str) -> list[str]:
+    """Malformed cursors for the list at `path`."""
+    listing = path.rsplit("/", 1)[-1]
+    return [
+        "garbage",
+        "!!!",
+        "-1",
+        "²",  # str.isdigit() says yes, int() says no
+        "9" * 30,
+        cursor(listing, "x|y"),
+        cursor(listing, "2024-01-01T00:00:00+00:00"),
+        cursor(listing, "0001-01-01T00:00:00+14:00|k"),
+        cursor(listing, "9999-12-31T23:59:59-14:00|k"),
+    ]
 
 
 @pytest.fixture
@@ -254,9 +257,28 @@ async def test_bad_cursors(client: httpx.AsyncClient) -> None:
     outcomes = {
         f"{path}?after={after}": outcome(await client.get(path, params={"after": after}))
         for path in SESSION_LISTS
-        for after in BAD_CURSORS
+        for after in bad_cursors(path)
     }
 
+    assert_all(outcomes, 422, "validation_error")
+
+
+async def test_a_cursor_of_another_list_is_refused(client: httpx.AsyncClient) -> None:
+    for session_id in ("s-1", "s-1", "s-2"):
+        await run(client, "echo", "hi", session_id=session_id)
+    runs_path = "/v1/sessions/s-1/runs"
+    sessions_cursor = (await client.get("/v1/sessions", params={"limit": 1})).json()
+    runs_cursor = (await client.get(runs_path, params={"limit": 1})).json()
+    assert sessions_cursor["next_after"] and runs_cursor["next_after"]
+
+    outcomes = {
+        "runs with a sessions cursor": outcome(
+            await client.get(runs_path, params={"after": sessions_cursor["next_after"]})
+        ),
+        "sessions with a runs cursor": outcome(
+            await client.get("/v1/sessions", params={"after": runs_cursor["next_after"]})
+        ),
+    }
     assert_all(outcomes, 422, "validation_error")
 
 
@@ -329,7 +351,9 @@ async def test_nul_in_a_path_or_query_value_is_a_validation_error(
 ) -> None:
     # PostgreSQL text cannot hold NUL: such a value must be refused before any query, and
     # alike on both stores (it was a 500 on PostgreSQL, a 404 or an empty page on SQLite).
-    with_nul = cursor("2024-01-01T00:00:00+00:00|s\x00-1")
+    with_nul = {
+        name: cursor(name, "2024-01-01T00:00:00+00:00|s\x00-1") for name in ("sessions", "runs")
+    }
     outcomes = {
         url: outcome(await client.get(url))
         for url in [
@@ -339,8 +363,8 @@ async def test_nul_in_a_path_or_query_value_is_a_validation_error(
             "/v1/sessions?user_id=%00",
             "/v1/sessions?agent=a%00b",
             "/v1/sessions/s-1?user_id=u%00",
-            f"/v1/sessions?after={with_nul}",
-            f"/v1/sessions/s-1/runs?after={with_nul}",
+            f"/v1/sessions?after={with_nul['sessions']}",
+            f"/v1/sessions/s-1/runs?after={with_nul['runs']}",
             "/v1/sessions/s-1/messages?after=1%00",
         ]
     }

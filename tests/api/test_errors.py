@@ -282,6 +282,19 @@ async def test_a_cursor_of_another_list_is_refused(client: httpx.AsyncClient) ->
     assert_all(outcomes, 422, "validation_error")
 
 
+async def test_two_idempotency_keys_are_refused_before_any_work(
+    client: httpx.AsyncClient,
+) -> None:
+    headers = [("Idempotency-Key", "k-1"), ("Idempotency-Key", "k-2")]
+    body = {**VALID, "session_id": "two-keys"}
+
+    response = await client.post("/v1/runs", json=body, headers=headers)
+
+    assert_problem(response, 422, "validation_error")
+    assert "Idempotency-Key" in response.json()["detail"]
+    assert_problem(await client.get("/v1/sessions/two-keys"), 404, "session_not_found")
+
+
 @pytest.mark.usefixtures("session")
 async def test_an_empty_cursor_is_the_first_page(client: httpx.AsyncClient) -> None:
     for path in [*SESSION_LISTS, "/v1/agents"]:

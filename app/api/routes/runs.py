@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from pydantic import WithJsonSchema
 
 from app.api.deps import RunServiceDep, ServicesDep, TenantDep, accepting_runs, cut_off
 from app.api.problems import responses
+from app.errors import ValidationFailed
 from app.schemas.runs import RunCreate, RunRead
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -44,9 +45,15 @@ RUN_LINKS = {
 }
 
 
+def one_idempotency_key(request: Request) -> None:
+    """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise ValidationFailed("Send one Idempotency-Key header.")
+
+
 @router.post(
     "",
-    dependencies=[Depends(accepting_runs)],
+    dependencies=[Depends(accepting_runs), Depends(one_idempotency_key)],
     responses=responses(401, 403, 404, 409, 413, 422, 503)
     | {
         200: {

@@ -15,7 +15,15 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
-After = Annotated[str | None, Query(max_length=512)]
+# A list's own next_after: opaque for sessions and runs, a message's seq for the history.
+After = Annotated[
+    str | None,
+    Query(max_length=512, pattern="^[A-Za-z0-9_-]*$", description="A next_after of this list."),
+]
+AfterSeq = Annotated[
+    str | None,
+    Query(pattern="^[0-9]{0,9}$", description="A next_after of this list: a message's seq."),
+]
 UserId = Annotated[
     str | None,
     Query(
@@ -56,7 +64,7 @@ async def list_messages(
     tenant: TenantDep,
     user_id: UserId = None,
     limit: Limit = DEFAULT_PAGE,
-    after: After = None,
+    after: AfterSeq = None,
 ) -> Page[MessageRead]:
     """The session's history in order."""
     return await sessions.messages(

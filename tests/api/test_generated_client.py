@@ -16,9 +16,8 @@ from typing import Any
 
 import httpx
 
-from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import agents_server
 from tests.support.tool_server import ToolServer
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
@@ -59,12 +58,8 @@ class Generated:
 def test_a_generated_client_works_without_hand_edits(
     tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-        env={"API_KEYS": "k1:t1"},
+    server = agents_server(
+        tmp_path, database_url, fake_model, tool_server, env={"API_KEYS": "k1:t1"}
     )
     with server:
         document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()

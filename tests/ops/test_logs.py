@@ -17,9 +17,8 @@ from typing import Any
 
 from tests.ops.helpers import json_lines
 from tests.ops.scenario import SESSIONS, Scenario
-from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import agents_server
 from tests.support.tool_server import ToolServer
 
 LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
@@ -171,11 +170,11 @@ def test_info_lines_hold_no_tool_error_results(ops: Scenario) -> None:
 def test_text_format_and_warning_level(
     tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'text.db'}",
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
+    server = agents_server(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'text.db'}",
+        fake_model,
+        tool_server,
         env={"LOG_FORMAT": "text", "LOG_LEVEL": "WARNING"},
     )
     with server, server.client() as client:
@@ -203,11 +202,11 @@ def test_debug_level_logs_no_message_text_and_no_key(
     tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
     key, marker = "sk-debug-key-5d1e", "debug-marker-c0ffee"
-    server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'debug.db'}",
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
+    server = agents_server(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'debug.db'}",
+        fake_model,
+        tool_server,
         env={"LOG_LEVEL": "debug", "API_KEYS": f"{key}:acme"},  # any case
     )
     with server, server.client() as client:
@@ -227,12 +226,7 @@ def test_debug_level_logs_no_message_text_and_no_key(
 def test_a_client_gone_before_its_body_is_logged_499_not_500(
     tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = ServerProcess(
-        database_url=f"sqlite:///{tmp_path / 'gone.db'}",
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-    )
+    server = agents_server(tmp_path, f"sqlite:///{tmp_path / 'gone.db'}", fake_model, tool_server)
     with server, server.client() as client:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(

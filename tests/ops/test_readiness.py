@@ -14,9 +14,8 @@ from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
 from tests.ops.proxy import TcpProxy
-from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, agents_server
 from tests.support.tool_server import ToolServer
 
 FIRST_REVISION = "4e8a668623b5"
@@ -61,12 +60,7 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
     url = make_url(database_url)
     with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-        server = ServerProcess(
-            database_url=via_proxy,
-            log_path=tmp_path / "server.log",
-            agents_file=write_agents_file(tmp_path, tool_server.url),
-            model_url=fake_model.url,
-        )
+        server = agents_server(tmp_path, via_proxy, fake_model, tool_server)
         with server, server.client(timeout=30) as client:
             assert client.get("/readyz").status_code == 200
             first = _run(client, "before-outage")

@@ -17,7 +17,7 @@ import pytest
 from tests.ops.helpers import model_saw, wait_for
 from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, agents_server
 from tests.support.tool_server import ToolServer
 
 SLOW_TURN = {"agent": "slow", "message": "post it slowly"}
@@ -56,12 +56,8 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
 ) -> None:
-    server = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-        env={"SHUTDOWN_GRACE_S": "10"},
+    server = agents_server(
+        tmp_path, database_url, fake_model, tool_server, env={"SHUTDOWN_GRACE_S": "10"}
     ).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:

@@ -12,9 +12,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
-from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import agents_server
 from tests.support.tool_server import ToolServer
 
 
@@ -22,12 +21,7 @@ from tests.support.tool_server import ToolServer
 def test_a_run_waits_for_a_foreign_write_lock_while_the_server_keeps_answering(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-    ).start()
+    server = agents_server(tmp_path, database_url, fake_model, tool_server).start()
     path = make_url(database_url).database
     assert path is not None
     other = sqlite3.connect(path, isolation_level=None)

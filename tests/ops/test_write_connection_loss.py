@@ -14,9 +14,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import wait_for
-from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import agents_server
 from tests.support.tool_server import ToolServer
 
 TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
@@ -52,12 +51,7 @@ def _terminate_pooled_connections(database_url: str) -> int:
 def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-    ).start()
+    server = agents_server(tmp_path, database_url, fake_model, tool_server).start()
     try:
         with ThreadPoolExecutor(max_workers=8) as pool, server.client(timeout=60) as client:
             # Turns in parallel leave several connections in the pool, all soon dead.

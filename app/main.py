@@ -11,7 +11,7 @@ from starlette.types import Lifespan
 
 from app.api import problems
 from app.api.auth import ApiKeys, RequireApiKey
-from app.api.deps import Lifecycle, Services, bearer_scheme, refuse_nul
+from app.api.deps import Lifecycle, Services, bearer_scheme, get_tenant, refuse_nul
 from app.api.document import finish_document, operation_id
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
@@ -117,10 +117,15 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
     )
     problems.install(app)
     for module in (runs, sessions, agents):
-        app.include_router(module.router, dependencies=[Depends(bearer_scheme)])
+        # get_tenant on every /v1 route, also those that do not use it: a route RequireApiKey
+        # did not see fails instead of serving without a key.
+        app.include_router(
+            module.router, dependencies=[Depends(bearer_scheme), Depends(get_tenant)]
+        )
     app.include_router(health.router)
+    # The last added runs first: the key is checked before BodySizeLimit reads the body.
     app.add_middleware(BodySizeLimit)
-    app.add_middleware(RequireApiKey, keys=api_keys)  # before the body is read
+    app.add_middleware(RequireApiKey, keys=api_keys)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
     finish_document(app)

@@ -61,7 +61,7 @@ class RequireApiKey:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not _route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         tenant: str | None = None
@@ -73,6 +73,13 @@ class RequireApiKey:
                 return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the app routes on: without the `root_path` a server may put in front (ASGI
+    servers include it in `path`, e.g. uvicorn's --root-path)."""
+    path: str = scope["path"]
+    return path.removeprefix(scope.get("root_path", ""))
 
 
 def _bearer_token(scope: Scope) -> str | None:

@@ -71,7 +71,10 @@ bearer_scheme = HTTPBearer(
 def get_tenant(request: Request) -> str | None:
     """The caller's tenant, as RequireApiKey found it; None while API_KEYS is unset (a
     single-tenant service)."""
-    tenant: str | None = request.state.tenant
+    state = request.scope.get("state", {})
+    if "tenant" not in state:  # a /v1 route RequireApiKey did not see: never act as no tenant
+        raise RuntimeError(f"RequireApiKey did not run for {request.url.path}")
+    tenant: str | None = state["tenant"]
     return tenant
 
 

@@ -77,7 +77,7 @@ def next_after(rows: Sequence[R], limit: int, cursor: Callable[[R], str]) -> str
     return cursor(rows[limit - 1]) if len(rows) > limit else None
 
 
-def encode_cursor(listing: str, moment: datetime, key: str) -> str:
+def encode_cursor(moment: datetime, key: str, *, listing: str) -> str:
     """An opaque cursor for keyset pagination on (timestamp, id) of the list `listing`."""
     raw = f"{listing}|{moment.isoformat()}|{key}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
@@ -90,7 +90,7 @@ def decode_seq(cursor: str) -> int:
     return int(cursor)
 
 
-def decode_cursor(listing: str, cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str, *, listing: str) -> tuple[datetime, str]:
     """The (timestamp, id) of a cursor of the list `listing`; a malformed one, or another
     list's, is a validation error."""
     try:

@@ -27,6 +27,9 @@ from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
 from app.services.runs import run_summary
 
+# What a cursor names as its list (app.schemas.common.encode_cursor).
+SESSIONS_LIST = "sessions"
+
 
 @dataclass
 class SessionService:
@@ -59,7 +62,7 @@ class SessionService:
                 tenant_id=tenant_id,
                 agent=agent,
                 user_id=user_id,
-                after=decode_cursor("sessions", after) if after else None,
+                after=decode_cursor(after, listing=SESSIONS_LIST) if after else None,
                 limit=limit + 1,
             )
             orphaned = await self._orphaned(session, rows[:limit])
@@ -69,7 +72,9 @@ class SessionService:
             _session_read(r, _status(held=r.id in held, orphans=r.id in orphaned))
             for r in rows[:limit]
         ]
-        cursor = next_after(rows, limit, lambda r: encode_cursor("sessions", r.updated_at, r.id))
+        cursor = next_after(
+            rows, limit, lambda r: encode_cursor(r.updated_at, r.id, listing=SESSIONS_LIST)
+        )
         return Page(data=page, next_after=cursor)
 
     async def messages(
@@ -101,14 +106,19 @@ class SessionService:
         limit: int,
     ) -> Page[RunSummary]:
         """The session's runs, newest first."""
+        runs_list = f"runs of {session_id}"  # a cursor of one session's runs, not another's
         async with self.db.reads.begin() as session:
             await self._visible(session, session_id, tenant_id, user_id)
             rows = await RunRepository(session).list_for_session(
-                session_id, after=decode_cursor("runs", after) if after else None, limit=limit + 1
+                session_id,
+                after=decode_cursor(after, listing=runs_list) if after else None,
+                limit=limit + 1,
             )
         held = await self.ownership.is_held(session_id)
         data = [run_summary(r, held=held) for r in rows[:limit]]
-        cursor = next_after(rows, limit, lambda r: encode_cursor("runs", r.created_at, r.id))
+        cursor = next_after(
+            rows, limit, lambda r: encode_cursor(r.created_at, r.id, listing=runs_list)
+        )
         return Page(data=data, next_after=cursor)
 
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:

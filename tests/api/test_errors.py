@@ -72,13 +72,18 @@ BAD_LIMITS = ["0", "-1", "201", "1000", "abc", "1.5", ""]
 
 
 def cursor(listing: str, raw: str) -> str:
-    """A cursor in the format of `listing` (sessions, runs) with this decoded content."""
+    """A cursor of the list `listing` ("sessions", "runs of <session id>") with this decoded
+    content."""
     return base64.urlsafe_b64encode(f"{listing}|{raw}".encode()).decode().rstrip("=")
 
 
 def bad_cursors(path: str) -> list[str]:
     """Malformed cursors for the list at `path`."""
-    listing = path.rsplit("/", 1)[-1]
+    listing = {
+        "/v1/sessions": "sessions",
+        "/v1/sessions/s-1/runs": "runs of s-1",
+        "/v1/sessions/s-1/messages": "messages",  # its cursors are seqs: any of these is bad
+    }[path]
     return [
         "garbage",
         "!!!",
@@ -264,22 +269,27 @@ async def test_bad_cursors(client: httpx.AsyncClient) -> None:
 
 
 async def test_a_cursor_of_another_list_is_refused(client: httpx.AsyncClient) -> None:
-    for session_id in ("s-1", "s-1", "s-2"):
+    for session_id in ("s-1", "s-1", "s-2", "s-2"):
         await run(client, "echo", "hi", session_id=session_id)
-    runs_path = "/v1/sessions/s-1/runs"
-    sessions_cursor = (await client.get("/v1/sessions", params={"limit": 1})).json()
-    runs_cursor = (await client.get(runs_path, params={"limit": 1})).json()
-    assert sessions_cursor["next_after"] and runs_cursor["next_after"]
 
+    def first_cursor(page: httpx.Response) -> str:
+        cursor: str = page.json()["next_after"]
+        assert cursor, page.text
+        return cursor
+
+    sessions_cursor = first_cursor(await client.get("/v1/sessions", params={"limit": 1}))
+    runs_cursor = first_cursor(await client.get("/v1/sessions/s-1/runs", params={"limit": 1}))
     outcomes = {
-        "runs with a sessions cursor": outcome(
-            await client.get(runs_path, params={"after": sessions_cursor["next_after"]})
-        ),
-        "sessions with a runs cursor": outcome(
-            await client.get("/v1/sessions", params={"after": runs_cursor["next_after"]})
-        ),
+        f"{path} after {name}": outcome(await client.get(path, params={"after": after}))
+        for path, name, after in (
+            ("/v1/sessions/s-1/runs", "a sessions cursor", sessions_cursor),
+            ("/v1/sessions", "a runs cursor", runs_cursor),
+            ("/v1/sessions/s-2/runs", "another session's runs cursor", runs_cursor),
+        )
     }
     assert_all(outcomes, 422, "validation_error")
+    # Each is taken by its own list.
+    assert (await client.get("/v1/sessions/s-1/runs", params={"after": runs_cursor})).is_success
 
 
 async def test_two_idempotency_keys_are_refused_before_any_work(

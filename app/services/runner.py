@@ -69,23 +69,23 @@ class AgentRunner:
         """
         index, orphans = orphaned_calls(history)
         results: list[Message] = []
+        outcomes: list[str] = []
         for call in orphans:
             result = await self._reinvoke(turn, call, agent)
             message = Message.tool(result)
             message.run_id = history[index].run_id
             results.append(message)
-            self._metrics.tool_calls.labels(_tool_label(call, agent), _outcome(result)).inc()
+            outcomes.append(
+                "durability_error" if is_durability_error(result.content) else "reinvoked"
+            )
         if not results:
             return results
         await journal.record_repairs(turn, results)
-        for call, message in zip(orphans, results, strict=True):  # logged once they are stored
+        for call, outcome in zip(orphans, outcomes, strict=True):  # counted once stored
+            self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
             log.info(
                 "repaired orphaned tool call",
-                extra={
-                    "tool_call_id": call.id,
-                    "tool_name": call.name,
-                    "outcome": _outcome(message),
-                },
+                extra={"tool_call_id": call.id, "tool_name": call.name, "outcome": outcome},
             )
         return results
 
@@ -265,8 +265,3 @@ class AgentRunner:
 def _tool_label(call: ToolCall, agent: AgentConfig) -> str:
     """The call's tool as a metric label: names the model invents share one value."""
     return call.name if call.name in agent.tools else "unknown"
-
-
-def _outcome(repair: ToolResult | Message) -> str:
-    """What the repair of an orphaned call did, for its metric and log line."""
-    return "durability_error" if is_durability_error(repair.content) else "reinvoked"

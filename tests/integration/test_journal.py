@@ -93,7 +93,7 @@ def results_for(*calls: ToolCall) -> list[Message]:
 
 
 def repairs_for(run_id: str) -> list[Message]:
-    """What AgentRunner.repairs gives for CALLS: lookup run again, charge a durability error."""
+    """What AgentRunner.repair stores for CALLS: lookup run again, charge a durability error."""
     repairs = [
         Message.tool(ToolResult.ok(CALLS[0], {"id": "A-1"})),
         Message.tool(durability_error("charge", "toolu_b")),

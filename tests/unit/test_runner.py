@@ -818,22 +818,28 @@ class FailingRepairs(RecordingJournal):
         raise SessionConflict("sess-1")
 
 
-async def test_a_repair_is_logged_only_once_stored(
+async def test_a_repair_is_counted_and_logged_only_once_stored(
     registry: ToolRegistry, probe: Probe, caplog: pytest.LogCaptureFixture
 ) -> None:
     history = orphaned_step(call("toolu_a", "lookup", id="A-1"), call("toolu_b", "charge"))
-    runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=Metrics())
+    metrics = Metrics()
+    runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics)
     caplog.set_level(logging.INFO, logger="app.services.runner")
 
     with pytest.raises(SessionConflict):
         await runner.repair(new_turn(), FailingRepairs(), history, registry.agent("main"))
     assert "repaired" not in caplog.text
+    assert counted_tool_calls(metrics) == {}
     await runner.repair(new_turn(), RecordingJournal(), history, registry.agent("main"))
     logged = [r for r in caplog.records if r.getMessage() == "repaired orphaned tool call"]
     assert [(r.tool_name, r.outcome) for r in logged] == [  # type: ignore[attr-defined]
         ("lookup", "reinvoked"),
         ("charge", "durability_error"),
     ]
+    assert counted_tool_calls(metrics) == {
+        ("lookup", "reinvoked"): 1,
+        ("charge", "durability_error"): 1,
+    }
 
 
 def assert_durability_error(message: Message, tool_name: str, tool_call_id: str) -> None:

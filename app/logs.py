@@ -107,7 +107,7 @@ class AccessLog:
             return
         start = time.perf_counter()
         status: int | None = None
-        failed = False
+        gone = False
 
         async def capture(message: Message) -> None:
             nonlocal status
@@ -115,16 +115,19 @@ class AccessLog:
                 status = message["status"]
             await send(message)
 
+        async def watch() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
         try:
-            await self.app(scope, receive, capture)
-        except BaseException:
-            failed = True
-            raise
+            await self.app(scope, watch, capture)
         finally:
             if status is None:
-                # No answer was started: the server answers 500 for an exception; otherwise
-                # the client went away first (nginx's 499, "client closed request").
-                status = 500 if failed else CLIENT_CLOSED_REQUEST
+                # No answer was started: the client went away first (nginx's 499, "client
+                # closed request"), or the server answers 500 itself.
+                status = CLIENT_CLOSED_REQUEST if gone else 500
             extra: dict[str, Any] = {
                 "method": scope["method"],
                 "path": scope["path"],

@@ -19,17 +19,19 @@ def operation_id(route: APIRoute) -> str:
 
 
 def finish_document(app: FastAPI) -> None:
-    """Amend the app's /openapi.json, built once by FastAPI, with each step below."""
+    """Amend the app's /openapi.json with each step below, once: FastAPI builds the document
+    on first use and keeps it in `app.openapi_schema`."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
-        document = generate()
-        for item in document["paths"].values():
-            for operation in item.values():
-                _auth_as_optional(operation)
-                _problems_as_problem_json(operation)
-                _no_nul_in_parameters(operation)
-        return document
+        if app.openapi_schema is None:
+            for item in generate()["paths"].values():
+                for operation in item.values():
+                    _auth_as_optional(operation)
+                    _problems_as_problem_json(operation)
+                    _no_nul_in_parameters(operation)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's way to amend the document
 
@@ -39,7 +41,7 @@ def _auth_as_optional(operation: dict[str, Any]) -> None:
     bearer key or none (`security: [{}, {scheme: []}]`), so a client generated from any
     deployment sends a key when given one and works against every other (CONTRACT §3). Where
     a key is needed and missing, the operation's documented 401 says so."""
-    if operation.get("security") and {} not in operation["security"]:
+    if operation.get("security"):
         operation["security"].insert(0, {})
 
 

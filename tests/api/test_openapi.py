@@ -207,6 +207,21 @@ async def test_the_document_is_the_same_with_and_without_api_keys(
     assert all(security == [{}, {name: []}] for security in secured.values())
 
 
+async def test_the_document_does_not_change_from_request_to_request(agents_file: Path) -> None:
+    app = create_app(Settings(database_url="memory://", agents_file=agents_file))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        first = (await http.get("/openapi.json")).json()
+        await http.put("/v1/runs")  # a 405 reads the document for its Allow header
+        again = (await http.get("/openapi.json")).json()
+
+    assert again == first
+    (security,) = {
+        json.dumps(op["security"]) for op in operations(first).values() if "security" in op
+    }
+    assert json.loads(security) == [{}, {"HTTPBearer": []}]
+
+
 def test_types_a_generated_client_relies_on(openapi: Json) -> None:
     schemas = openapi["components"]["schemas"]
     post = operations(openapi)[("post", "/v1/runs")]

@@ -300,8 +300,8 @@ async def test_two_idempotency_keys_are_refused_before_any_work(
 
     response = await client.post("/v1/runs", json=body, headers=headers)
 
-    assert_problem(response, 422, "validation_error")
-    assert "Idempotency-Key" in response.json()["detail"]
+    problem = assert_problem(response, 422, "validation_error")
+    assert [e["loc"] for e in problem["errors"]] == [["header", "Idempotency-Key"]]
     assert_problem(await client.get("/v1/sessions/two-keys"), 404, "session_not_found")
 
 

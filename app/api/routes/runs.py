@@ -6,11 +6,11 @@ import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from pydantic import WithJsonSchema
 
 from app.api.deps import RunServiceDep, ServicesDep, TenantDep, accepting_runs, cut_off
 from app.api.problems import responses
-from app.errors import ValidationFailed
 from app.schemas.runs import RunCreate, RunRead
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -48,7 +48,8 @@ RUN_LINKS = {
 def one_idempotency_key(request: Request) -> None:
     """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
     if len(request.headers.getlist("idempotency-key")) > 1:
-        raise ValidationFailed("Send one Idempotency-Key header.")
+        loc = ("header", "Idempotency-Key")
+        raise RequestValidationError([{"loc": loc, "msg": "send one", "type": "value_error"}])
 
 
 @router.post(

@@ -49,7 +49,9 @@ def one_idempotency_key(request: Request) -> None:
     """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
     if len(request.headers.getlist("idempotency-key")) > 1:
         loc = ("header", "Idempotency-Key")
-        raise RequestValidationError([{"loc": loc, "msg": "send one", "type": "value_error"}])
+        raise RequestValidationError(
+            [{"loc": loc, "msg": "must be sent once", "type": "value_error"}]
+        )
 
 
 @router.post(

@@ -172,9 +172,9 @@ def test_text_format_and_warning_level(
 ) -> None:
     server = agents_server(
         tmp_path,
-        f"sqlite:///{tmp_path / 'text.db'}",
-        fake_model,
-        tool_server,
+        database_url=f"sqlite:///{tmp_path / 'text.db'}",
+        fake_model=fake_model,
+        tool_server=tool_server,
         env={"LOG_FORMAT": "text", "LOG_LEVEL": "WARNING"},
     )
     with server, server.client() as client:
@@ -204,9 +204,9 @@ def test_debug_level_logs_no_message_text_and_no_key(
     key, marker = "sk-debug-key-5d1e", "debug-marker-c0ffee"
     server = agents_server(
         tmp_path,
-        f"sqlite:///{tmp_path / 'debug.db'}",
-        fake_model,
-        tool_server,
+        database_url=f"sqlite:///{tmp_path / 'debug.db'}",
+        fake_model=fake_model,
+        tool_server=tool_server,
         env={"LOG_LEVEL": "debug", "API_KEYS": f"{key}:acme"},  # any case
     )
     with server, server.client() as client:
@@ -226,7 +226,12 @@ def test_debug_level_logs_no_message_text_and_no_key(
 def test_a_client_gone_before_its_body_is_logged_499_not_500(
     tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = agents_server(tmp_path, f"sqlite:///{tmp_path / 'gone.db'}", fake_model, tool_server)
+    server = agents_server(
+        tmp_path,
+        database_url=f"sqlite:///{tmp_path / 'gone.db'}",
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
     with server, server.client() as client:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(

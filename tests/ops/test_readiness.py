@@ -60,7 +60,9 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
     url = make_url(database_url)
     with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-        server = agents_server(tmp_path, via_proxy, fake_model, tool_server)
+        server = agents_server(
+            tmp_path, database_url=via_proxy, fake_model=fake_model, tool_server=tool_server
+        )
         with server, server.client(timeout=30) as client:
             assert client.get("/readyz").status_code == 200
             first = _run(client, "before-outage")

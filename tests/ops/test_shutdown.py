@@ -57,7 +57,11 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
     tool_server: ToolServer,
 ) -> None:
     server = agents_server(
-        tmp_path, database_url, fake_model, tool_server, env={"SHUTDOWN_GRACE_S": "10"}
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+        env={"SHUTDOWN_GRACE_S": "10"},
     ).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:

@@ -21,7 +21,9 @@ from tests.support.tool_server import ToolServer
 def test_a_run_waits_for_a_foreign_write_lock_while_the_server_keeps_answering(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = agents_server(tmp_path, database_url, fake_model, tool_server).start()
+    server = agents_server(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
+    ).start()
     path = make_url(database_url).database
     assert path is not None
     other = sqlite3.connect(path, isolation_level=None)

@@ -51,7 +51,9 @@ def _terminate_pooled_connections(database_url: str) -> int:
 def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = agents_server(tmp_path, database_url, fake_model, tool_server).start()
+    server = agents_server(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
+    ).start()
     try:
         with ThreadPoolExecutor(max_workers=8) as pool, server.client(timeout=60) as client:
             # Turns in parallel leave several connections in the pool, all soon dead.

@@ -105,10 +105,10 @@ class ServerProcess(ServeProcess):
 
 def agents_server(
     tmp_path: Path,
+    *,
     database_url: str,
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
-    *,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """A server of the test agents (tests/support/agents.py) on `database_url`: their models

@@ -59,7 +59,11 @@ def test_a_generated_client_works_without_hand_edits(
     tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
     server = agents_server(
-        tmp_path, database_url, fake_model, tool_server, env={"API_KEYS": "k1:t1"}
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+        env={"API_KEYS": "k1:t1"},
     )
     with server:
         document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
@@ -71,6 +75,15 @@ def test_a_generated_client_works_without_hand_edits(
         problem = gen.model("Problem")
         with keyed, anonymous:
             tour(gen, keyed, anonymous, problem)
+
+    # The same client against a deployment without API_KEYS: no key needed, none sent.
+    keyless = agents_server(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
+    )
+    with keyless, gen.package.Client(base_url=keyless.url) as anonymous:
+        body = gen.model("RunCreate").from_dict({"agent": "echo", "message": "hi"})
+        run = gen.op("runs", "create_run").sync(client=anonymous, body=body)
+        assert (run.status.value, run.response, run.session_id) == ("complete", "echo: hi", None)
 
 
 def tour(gen: Generated, keyed: Any, anonymous: Any, problem: Any) -> None:
@@ -154,3 +167,5 @@ def tour(gen: Generated, keyed: Any, anonymous: Any, problem: Any) -> None:
 
     assert gen.op("health", "healthz").sync(client=anonymous).status == "ok"
     assert gen.op("health", "readyz").sync(client=anonymous).status == "ready"
+    metrics = gen.op("health", "get_metrics").sync_detailed(client=anonymous)
+    assert metrics.status_code == 200 and b"agent_runner_runs_total" in metrics.content

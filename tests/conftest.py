@@ -21,7 +21,9 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from app.db.migrate import upgrade
+from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
 PG_ADMIN_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -139,6 +141,24 @@ def tool_server(tool_server_session: ToolServer) -> ToolServer:
     """The HTTP tool server, with no invocations recorded yet."""
     tool_server_session.reset()
     return tool_server_session
+
+
+@pytest.fixture
+def agents_server(
+    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> AgentsServer:
+    """Builds servers of the test agents on the fake model and tool server (AgentsServer)."""
+
+    def build(*, database_url: str, env: dict[str, str] | None = None) -> ServerProcess:
+        return ServerProcess(
+            database_url=database_url,
+            log_path=tmp_path / "server.log",
+            agents_file=write_agents_file(tmp_path, tool_server.url),
+            model_url=fake_model.url,
+            env=env,
+        )
+
+    return build
 
 
 @pytest.fixture(autouse=True)

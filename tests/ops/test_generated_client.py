@@ -16,9 +16,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import agents_server
-from tests.support.tool_server import ToolServer
+from tests.support.server import AgentsServer
 
 GENERATOR = Path(sys.executable).parent / "openapi-python-client"
 
@@ -56,15 +54,9 @@ class Generated:
 
 
 def test_a_generated_client_works_without_hand_edits(
-    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+    tmp_path: Path, database_url: str, agents_server: AgentsServer
 ) -> None:
-    server = agents_server(
-        tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
-        env={"API_KEYS": "k1:t1"},
-    )
+    server = agents_server(database_url=database_url, env={"API_KEYS": "k1:t1"})
     with server:
         document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
         gen = Generated(document, tmp_path)
@@ -77,9 +69,7 @@ def test_a_generated_client_works_without_hand_edits(
             tour(gen, keyed, anonymous, problem)
 
     # The same client against a deployment without API_KEYS: no key needed, none sent.
-    keyless = agents_server(
-        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
-    )
+    keyless = agents_server(database_url=database_url)
     with keyless, gen.package.Client(base_url=keyless.url) as anonymous:
         body = gen.model("RunCreate").from_dict({"agent": "echo", "message": "hi"})
         run = gen.op("runs", "create_run").sync(client=anonymous, body=body)

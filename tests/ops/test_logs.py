@@ -18,8 +18,7 @@ from typing import Any
 from tests.ops.helpers import json_lines
 from tests.ops.scenario import SESSIONS, Scenario
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import agents_server
-from tests.support.tool_server import ToolServer
+from tests.support.server import AgentsServer
 
 LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
 TEXT_LINE = re.compile(
@@ -167,14 +166,9 @@ def test_info_lines_hold_no_tool_error_results(ops: Scenario) -> None:
     assert _info_lines_holding(ops, errors) == []
 
 
-def test_text_format_and_warning_level(
-    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
-) -> None:
+def test_text_format_and_warning_level(tmp_path: Path, agents_server: AgentsServer) -> None:
     server = agents_server(
-        tmp_path,
         database_url=f"sqlite:///{tmp_path / 'text.db'}",
-        fake_model=fake_model,
-        tool_server=tool_server,
         env={"LOG_FORMAT": "text", "LOG_LEVEL": "WARNING"},
     )
     with server, server.client() as client:
@@ -199,14 +193,11 @@ def test_text_format_and_warning_level(
 
 
 def test_debug_level_logs_no_message_text_and_no_key(
-    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+    tmp_path: Path, fake_model: FakeAnthropic, agents_server: AgentsServer
 ) -> None:
     key, marker = "sk-debug-key-5d1e", "debug-marker-c0ffee"
     server = agents_server(
-        tmp_path,
         database_url=f"sqlite:///{tmp_path / 'debug.db'}",
-        fake_model=fake_model,
-        tool_server=tool_server,
         env={"LOG_LEVEL": "debug", "API_KEYS": f"{key}:acme"},  # any case
     )
     with server, server.client() as client:
@@ -224,14 +215,9 @@ def test_debug_level_logs_no_message_text_and_no_key(
 
 
 def test_a_client_gone_before_its_body_is_logged_499_not_500(
-    tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+    tmp_path: Path, agents_server: AgentsServer
 ) -> None:
-    server = agents_server(
-        tmp_path,
-        database_url=f"sqlite:///{tmp_path / 'gone.db'}",
-        fake_model=fake_model,
-        tool_server=tool_server,
-    )
+    server = agents_server(database_url=f"sqlite:///{tmp_path / 'gone.db'}")
     with server, server.client() as client:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
             sock.sendall(

@@ -14,8 +14,7 @@ from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
 from tests.ops.proxy import TcpProxy
-from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess, agents_server
+from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
 FIRST_REVISION = "4e8a668623b5"
@@ -52,17 +51,12 @@ def _set_revision(database_url: str, revision: str) -> None:
 
 
 def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
-    database_url: str,
-    tmp_path: Path,
-    fake_model: FakeAnthropic,
-    tool_server: ToolServer,
+    database_url: str, tmp_path: Path, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
     url = make_url(database_url)
     with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-        server = agents_server(
-            tmp_path, database_url=via_proxy, fake_model=fake_model, tool_server=tool_server
-        )
+        server = agents_server(database_url=via_proxy)
         with server, server.client(timeout=30) as client:
             assert client.get("/readyz").status_code == 200
             first = _run(client, "before-outage")

@@ -17,7 +17,7 @@ import pytest
 from tests.ops.helpers import model_saw, wait_for
 from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess, agents_server
+from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
 SLOW_TURN = {"agent": "slow", "message": "post it slowly"}
@@ -55,14 +55,9 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
     tmp_path: Path,
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
+    agents_server: AgentsServer,
 ) -> None:
-    server = agents_server(
-        tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
-        env={"SHUTDOWN_GRACE_S": "10"},
-    ).start()
+    server = agents_server(database_url=database_url, env={"SHUTDOWN_GRACE_S": "10"}).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             in_flight = _start_slow_run(pool, server, tool_server, {**SLOW_TURN, "session_id": "s"})

@@ -12,18 +12,14 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
-from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import agents_server
-from tests.support.tool_server import ToolServer
+from tests.support.server import AgentsServer
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_a_run_waits_for_a_foreign_write_lock_while_the_server_keeps_answering(
-    database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+    database_url: str, tmp_path: Path, agents_server: AgentsServer
 ) -> None:
-    server = agents_server(
-        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
-    ).start()
+    server = agents_server(database_url=database_url).start()
     path = make_url(database_url).database
     assert path is not None
     other = sqlite3.connect(path, isolation_level=None)

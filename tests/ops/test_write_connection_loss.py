@@ -14,8 +14,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import wait_for
-from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import agents_server
+from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
 
 TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
@@ -49,11 +48,9 @@ def _terminate_pooled_connections(database_url: str) -> int:
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
 def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
-    database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
+    database_url: str, tmp_path: Path, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
-    server = agents_server(
-        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
-    ).start()
+    server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=8) as pool, server.client(timeout=60) as client:
             # Turns in parallel leave several connections in the pool, all soon dead.

@@ -9,16 +9,14 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from app.serving import Child, ServeProcess, agent_runner_command, free_port
-from tests.support.agents import write_agents_file
-from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.forked import ForkedServer
-from tests.support.tool_server import ToolServer
 
 AGENT_RUNNER = agent_runner_command()[0]
 
-__all__ = ["AGENT_RUNNER", "ServerProcess", "agents_server", "free_port", "server_port"]
+__all__ = ["AGENT_RUNNER", "AgentsServer", "ServerProcess", "free_port", "server_port"]
 
 # A port is free when drawn but bound only once the server has started, seconds later: two
 # test processes (pytest-xdist workers, or two checkouts' suites) asking the kernel for any free
@@ -103,20 +101,11 @@ class ServerProcess(ServeProcess):
         return ForkedServer(argv, env=self._env, cwd=self._cwd, log=self.log_path)
 
 
-def agents_server(
-    tmp_path: Path,
-    *,
-    database_url: str,
-    fake_model: FakeAnthropic,
-    tool_server: ToolServer,
-    env: dict[str, str] | None = None,
-) -> ServerProcess:
-    """A server of the test agents (tests/support/agents.py) on `database_url`: their models
-    on the fake, their tools on the tool server, its log in tmp_path/server.log."""
-    return ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "server.log",
-        agents_file=write_agents_file(tmp_path, tool_server.url),
-        model_url=fake_model.url,
-        env=env,
-    )
+class AgentsServer(Protocol):
+    """The `agents_server` fixture (tests/conftest.py): a server of the test agents
+    (tests/support/agents.py) on `database_url`, their models on the test's fake model, their
+    tools on its tool server, its log in the test's tmp_path/server.log."""
+
+    def __call__(
+        self, *, database_url: str, env: dict[str, str] | None = None
+    ) -> ServerProcess: ...

@@ -125,7 +125,7 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
     app.include_router(health.router)
     # The last added runs first: the key is checked before BodySizeLimit reads the body.
     app.add_middleware(BodySizeLimit)
-    app.add_middleware(RequireApiKey, keys=api_keys)
+    app.add_middleware(RequireApiKey, keys=api_keys, router=app.router)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)
     finish_document(app)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.problems import problem_response
@@ -51,17 +52,20 @@ def _digest(key: str) -> bytes:
 
 
 class RequireApiKey:
-    """Every /v1 request names its tenant by its key before anything else reads it: a request
-    without a valid key is 401 whatever its body, path or method (no 413 or 422 first, and an
-    unknown caller makes the service parse nothing). The tenant is left in the request's state
-    (`request.state.tenant`, None while API_KEYS is unset) for `app.api.deps.get_tenant`."""
+    """A request for a /v1 route names its tenant by its key before anything else reads it: a
+    request without a valid key is 401 whatever its body or parameters (no 413 or 422 first,
+    and an unknown caller makes the service parse nothing). A path the API does not have, or
+    a method a path does not take, is left to the router (404, 405): the routes are public
+    in /openapi.json. The tenant is left in the request's state (`request.state.tenant`,
+    None while API_KEYS is unset) for `app.api.deps.get_tenant`."""
 
-    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None) -> None:
+    def __init__(self, app: ASGIApp, *, keys: ApiKeys | None, router: Router) -> None:
         self.app = app
         self.keys = keys
+        self.router = router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _route_path(scope).startswith("/v1/"):
+        if scope["type"] != "http" or not self._is_v1_route(scope):
             await self.app(scope, receive, send)
             return
         tenant: str | None = None
@@ -74,12 +78,13 @@ class RequireApiKey:
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
-
-def _route_path(scope: Scope) -> str:
-    """The path the app routes on: without the `root_path` a server may put in front (ASGI
-    servers include it in `path`, e.g. uvicorn's --root-path)."""
-    path: str = scope["path"]
-    return path.removeprefix(scope.get("root_path", ""))
+    def _is_v1_route(self, scope: Scope) -> bool:
+        """Whether a /v1 route takes this path and method: the router's own matching, on the
+        path without a root_path the server puts in front (uvicorn's --root-path, a mount)."""
+        path: str = scope["path"]
+        if not path.removeprefix(scope.get("root_path", "")).startswith("/v1/"):
+            return False
+        return any(route.matches(scope)[0] is Match.FULL for route in self.router.routes)
 
 
 def _bearer_token(scope: Scope) -> str | None:

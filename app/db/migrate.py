@@ -12,7 +12,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.session import MEMORY_URL, Database, async_url, sqlite_file
@@ -45,11 +45,11 @@ def head_revision() -> str | None:
 
 
 async def current_revision(conn: AsyncConnection) -> str | None:
-    """The revision the connected database is at, or None before the first migration."""
-    try:
-        return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
-    except Exception:
+    """The revision the connected database is at, or None before the first migration; a
+    database that does not answer raises (it is not a schema without migrations)."""
+    if not await conn.run_sync(lambda sync: inspect(sync).has_table("alembic_version")):
         return None
+    return (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar()
 
 
 @contextmanager

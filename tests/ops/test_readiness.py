@@ -142,3 +142,28 @@ def test_a_database_that_is_gone_answers_503_on_every_route(
             assert response.status_code == 503, f"{method} {path}: {response.text}"
             assert _problem_code(response) == "database_unavailable", f"{method} {path}"
         assert client.get("/v1/agents").status_code == 200  # needs no database
+
+
+def test_connections_killed_under_the_server_are_an_outage_not_an_old_schema(
+    database_url: str, tmp_path: Path, pg_admin: Callable[..., None]
+) -> None:
+    # Its pooled connections and its lock connection die (a PostgreSQL restart, a failover):
+    # readiness says the database is unavailable, never that the schema is behind.
+    server = ServerProcess(database_url=database_url, log_path=tmp_path / "server.log")
+    with server, server.client(timeout=30) as client:
+        assert client.get("/readyz").status_code == 200
+        assert client.get("/readyz").status_code == 200  # a pooled connection is now idle
+        pg_admin(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            f" WHERE datname = '{make_url(database_url).database}' AND pid <> pg_backend_pid()"
+        )
+        answers: list[tuple[int, str | None]] = []
+        deadline = time.monotonic() + 15
+        while not answers or answers[-1] != (200, None):
+            assert time.monotonic() < deadline, f"/readyz did not recover: {answers}"
+            ready = client.get("/readyz")
+            answers.append((ready.status_code, _problem_code(ready)))
+            time.sleep(0.05)
+
+    assert set(answers) <= {(503, "database_unavailable"), (200, None)}, answers
+    assert answers[0] == (503, "database_unavailable"), answers

@@ -177,11 +177,11 @@ def support_script(request: ModelRequest) -> ModelResponse:
 
 
 def _emailed_before(messages: list[Message], order_id: str) -> Message | None:
-    """The result of an earlier send_email about this order that went out, or may have (a
-    crash cut it off: the durability error), if any."""
+    """The result of the latest earlier send_email about this order that went out, or may have
+    (a crash cut it off: the durability error), if any."""
     subject = _subject(order_id)
     calls = {c.id: c for m in messages if m.role is Role.ASSISTANT for c in m.tool_calls}
-    for message in messages:
+    for message in reversed(messages):
         if message.role is not Role.TOOL or message.tool_name != "send_email":
             continue
         call = calls.get(message.tool_call_id or "")

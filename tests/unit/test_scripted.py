@@ -220,6 +220,9 @@ async def test_support_does_not_resend_an_email_a_crash_cut_off_in_a_later_turn(
     again = await run_turn(history, "Send the A-1001 email again", outbox, monkeypatch)
     assert [c.name for r in again for c in r.tool_calls].count("send_email") == 1
     assert len(outbox.read_text().splitlines()) == 1
+    # Now it went out: the latest send counts, not the uncertain one before it.
+    [after] = await run_turn(history, "Any news on order A-1001?", outbox, monkeypatch)
+    assert after.tool_calls == [] and "already emailed" in after.text
 
 
 async def test_support_does_not_send_the_same_email_twice_unless_asked_again(

@@ -65,17 +65,14 @@ class RequireApiKey:
         self.router = router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._is_v1_route(scope):
-            await self.app(scope, receive, send)
-            return
-        tenant: str | None = None
-        if self.keys is not None:
+        # Without API_KEYS every request acts for no tenant: no route to look up.
+        if scope["type"] == "http" and (self.keys is None or self._is_v1_route(scope)):
             try:
-                tenant = self.keys.tenant(_bearer_token(scope))
+                tenant = None if self.keys is None else self.keys.tenant(_bearer_token(scope))
             except Unauthorized as exc:
                 await problem_response(exc)(scope, receive, send)
                 return
-        scope.setdefault("state", {})["tenant"] = tenant
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
     def _is_v1_route(self, scope: Scope) -> bool:

@@ -73,8 +73,12 @@ class ToolResult:
 
     @classmethod
     def ok(cls, call: ToolCall, value: Any) -> ToolResult:
-        """A successful result; `value` must be JSON-serialisable."""
-        return cls(call.id, call.name, json.dumps(value, separators=(",", ":")), False)
+        """A successful result; `value` must be JSON-serialisable (ValueError or TypeError
+        if not; NaN and Infinity are not JSON). Text other than ASCII is kept as it is, not
+        escaped: the model reads it in fewer tokens. What no store can hold (a lone
+        surrogate) becomes U+FFFD (see `storable`)."""
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return cls(call.id, call.name, storable(text), False)
 
     @classmethod
     def error(cls, call: ToolCall, message: str) -> ToolResult:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, Literal
 
 import anthropic
-from anthropic import omit
+from anthropic import Omit, omit
 from anthropic.types import (
     AssistantMessageParam,
     MessageParam,
     TextBlockParam,
+    ToolChoiceNoneParam,
     ToolParam,
     ToolResultBlockParam,
     ToolUseBlockParam,
@@ -39,6 +41,12 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error",
     529: "overloaded_error",
 }
+
+# What the API accepts back in a tool_use block it is sent (its own ids are `toolu_…`).
+_TOOL_USE_ID = re.compile(r"[A-Za-z0-9_-]+")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# Stands in for a tool that history names and the agent no longer has (see `_tools`).
+_GONE_TOOL = "A tool this conversation used earlier; it is no longer available."
 
 _ApiRole = Literal["user", "assistant"]
 _Block = TextBlockParam | ToolUseBlockParam | ToolResultBlockParam
@@ -77,10 +85,8 @@ class AnthropicLLMClient:
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Send one Messages API request and map the answer back to our types."""
-        tools: list[ToolParam] = [
-            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
-            for t in request.tools
-        ]
+        messages = to_api_messages(request.messages)
+        tools, tool_choice = _tools(request, messages)
         try:
             # The SDK bounds each attempt, and sleeps as long as a 429's Retry-After says
             # between them; the call as a whole, retries included, gets the same bound.
@@ -88,9 +94,11 @@ class AnthropicLLMClient:
                 message = await self._client.messages.create(
                     model=request.model,
                     max_tokens=request.max_tokens,
-                    messages=to_api_messages(request.messages),
-                    system=request.system if request.system else omit,
+                    messages=messages,
+                    # The API refuses a system prompt of white space only.
+                    system=request.system if request.system and request.system.strip() else omit,
                     tools=tools if tools else omit,
+                    tool_choice=tool_choice,
                 )
         except (anthropic.AnthropicError, TimeoutError) as err:
             error = _to_llm_error(err)
@@ -112,6 +120,41 @@ class AnthropicLLMClient:
         await self._client.close()
 
 
+def _tools(
+    request: ModelRequest, messages: list[MessageParam]
+) -> tuple[list[ToolParam], ToolChoiceNoneParam | Omit]:
+    """The request's `tools` and `tool_choice`.
+
+    The API refuses a request whose history holds tool_use or tool_result blocks and that
+    defines no tools: an agent whose tools were all taken away in the agents file could then
+    never continue its sessions. It gets a stand-in for each tool its history names, and
+    `tool_choice: none`, so the model can read its history and call nothing."""
+    if request.tools:
+        tools: list[ToolParam] = [
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in request.tools
+        ]
+        return tools, omit
+    names = {
+        block["name"]: None
+        for message in messages
+        if message["role"] == "assistant"
+        for block in message["content"]
+        if isinstance(block, dict) and block["type"] == "tool_use"
+    }
+    if not names and not any(
+        isinstance(block, dict) and block["type"] == "tool_result"
+        for message in messages
+        for block in message["content"]
+    ):
+        return [], omit
+    stand_ins: list[ToolParam] = [
+        {"name": name, "description": _GONE_TOOL, "input_schema": {"type": "object"}}
+        for name in names
+    ]
+    return stand_ins, ToolChoiceNoneParam(type="none")
+
+
 def _not_a_message(why: str) -> LLMError:
     log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
     return LLMError(
@@ -129,9 +172,9 @@ def read_answer(message: Any) -> ModelResponse:
     The SDK builds the answer without validating it, so a 2xx that is not a message (a
     proxy's page), a block of a type newer than the SDK, or a malformed tool call would
     otherwise fail later with Python's words, or be stored and break the session's history.
-    A tool call must have a string id that no other call of the answer has (the step's
-    results are paired with its calls by id) and an object as its input. Strings are made
-    storable (see `storable`)."""
+    A tool call must have an id of A-Z a-z 0-9 _ - that no other call of the answer has (the
+    step's results are paired with its calls by id), a name of 1-128 such characters, and an
+    object as its input. Strings are made storable (see `storable`)."""
     content = getattr(message, "content", None)
     usage = getattr(message, "usage", None)
     if not isinstance(content, list) or usage is None:
@@ -152,11 +195,17 @@ def read_answer(message: Any) -> ModelResponse:
         elif kind == "tool_use":
             call_id, name = getattr(block, "id", None), getattr(block, "name", None)
             arguments = getattr(block, "input", None)
-            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+            if not isinstance(call_id, str) or not isinstance(name, str):
                 raise _NotAMessage("a tool_use block without a string id and name")
+            # Stored and sent back with the history: an id or name the API refuses there
+            # would fail every later turn of the session.
+            if not _TOOL_USE_ID.fullmatch(call_id):
+                raise _NotAMessage(f"tool_use id {call_id[:64]!r} is not of A-Z a-z 0-9 _ -")
+            if not _TOOL_NAME.fullmatch(name):
+                raise _NotAMessage(f"tool_use name {name[:64]!r} is not 1-128 of A-Z a-z 0-9 _ -")
             if not isinstance(arguments, dict):
                 raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
-            call = ToolCall(storable(call_id), storable(name), storable(arguments))
+            call = ToolCall(call_id, name, storable(arguments))
             if call.id in ids:
                 raise _NotAMessage(f"tool_use id {call.id!r} is used twice in the answer")
             ids.add(call.id)
@@ -222,8 +271,12 @@ def _to_llm_error(err: anthropic.AnthropicError | TimeoutError) -> LLMError:
     if isinstance(err, anthropic.APITimeoutError | TimeoutError):
         return LLMError("The model call timed out.", type="api_timeout", retryable=True)
     if isinstance(err, anthropic.APIConnectionError):
+        # The SDK's name for both: no connection, and one that broke before the answer ended.
         return LLMError(
-            "Could not connect to the model API.", type="api_connection_error", retryable=True
+            "The connection to the model API failed: it could not be opened, or it broke"
+            " before the answer was complete.",
+            type="api_connection_error",
+            retryable=True,
         )
     if isinstance(err, anthropic.APIStatusError):
         status = err.status_code

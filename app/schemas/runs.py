@@ -35,6 +35,15 @@ class RunCreate(BaseModel):
             raise ValueError("must not contain NUL characters")
         return value
 
+    @field_validator("message")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        # The Messages API refuses a text block of white space only: the model call would
+        # fail with the user's message never stored.
+        if not value.strip():
+            raise ValueError("must contain a character other than white space")
+        return value
+
     @field_validator("metadata")
     @classmethod
     def _storable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

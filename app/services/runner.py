@@ -109,6 +109,7 @@ class AgentRunner:
             messages = [*history, turn.user_message]
             turn.messages.append(turn.user_message)
         tools = [t.spec for t in self._registry.tools_for(agent)]
+        call_ids = {call.id for message in messages for call in message.tool_calls}
         system = agent.system
         steps_without_success = 0
         warned = False
@@ -119,7 +120,7 @@ class AgentRunner:
                 break
             turn.iterations += 1
             request = ModelRequest(agent.model, system, messages, tools, agent.max_tokens)
-            response = await self._ask(turn, agent, request, last_text)
+            response = await self._ask(turn, agent, request, last_text, call_ids)
             if isinstance(response, RunEnd):
                 end = response
                 break
@@ -129,6 +130,7 @@ class AgentRunner:
                 await self._finish(turn, journal, assistant, RunEnd(RunStatus.COMPLETE, last_text))
                 return RunOutcome(RunEnd(RunStatus.COMPLETE, last_text), turn)
             await self._step(turn, journal, agent, assistant, response, messages)
+            call_ids.update(call.id for call in response.tool_calls)
             if all(m.is_error for m in messages[-len(response.tool_calls) :]):
                 steps_without_success += 1
             else:
@@ -152,9 +154,18 @@ class AgentRunner:
         return RunOutcome(end, turn)
 
     async def _ask(
-        self, turn: Turn, agent: AgentConfig, request: ModelRequest, last_text: str | None
+        self,
+        turn: Turn,
+        agent: AgentConfig,
+        request: ModelRequest,
+        last_text: str | None,
+        call_ids: set[str],
     ) -> ModelResponse | RunEnd:
-        """The model's answer, or how the run ends when there is none to act on."""
+        """The model's answer, or how the run ends when there is none to act on.
+
+        `call_ids` are the ids of the session's calls so far: a call that reuses one is
+        never run, nor stored (results are paired with their calls by id, and the API
+        refuses a history with two tool_use blocks of one id)."""
         try:
             response = await self._complete(request)
         except LLMError as exc:
@@ -167,6 +178,16 @@ class AgentRunner:
             # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
             # store nothing of this answer (as after a failed model call).
             return RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
+        reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
+        if reused is not None:
+            log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
+            return RunEnd(
+                RunStatus.ERROR,
+                last_text,
+                "api_error",
+                "The model API answered something that is not a valid message: tool_use id"
+                f" {reused[:64]!r} was used by an earlier call of this session",
+            )
         return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:

@@ -6,7 +6,6 @@ app/tools/agents_file.py builds it from the agents file.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -94,14 +93,12 @@ class ToolRegistry:
             name = type(exc).__name__
             return ToolResult.error(call, f"{name}: {message}" if message else name)
         try:
-            # allow_nan=False: NaN/Infinity would pass json.dumps but are not valid JSON.
-            json.dumps(value, allow_nan=False)
+            return ToolResult.ok(call, value)
         except (TypeError, ValueError, RecursionError) as exc:
             log.warning("tool returned a non-JSON value", extra=extra)
             return ToolResult.error(
                 call, f"tool {call.name!r} returned a value that is not JSON-serialisable: {exc}"
             )
-        return ToolResult.ok(call, value)
 
     def _invalid_arguments(self, tool: Tool, call: ToolCall) -> str | None:
         validator = self._validators[tool.name]

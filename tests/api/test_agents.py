@@ -7,11 +7,13 @@ import httpx
 from tests.api.helpers import all_pages, assert_problem, get_ok
 
 AGENTS = [
+    "bad-ids",
     "broken-model",
     "cut-off",
     "echo",
     "outsized",
     "overloaded",
+    "reused-ids",
     "slow",
     "slow-read",
     "ten-steps",

@@ -49,6 +49,7 @@ INVALID_BODIES: list[Json] = [
     {**VALID, "message": None},
     {**VALID, "message": ["hi"]},
     {**VALID, "message": ""},
+    {**VALID, "message": " \n\t\u3000"},  # white space only: the Messages API refuses it
     {**VALID, "agent": 5},
     {**VALID, "agent": ""},
     {**VALID, "agent": None},

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 
-from tests.api.helpers import Json, assert_problem, get_ok, run
+from tests.api.conftest import build_app
+from tests.api.helpers import Json, assert_problem, get_ok, run, serve
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.tool_server import ToolServer
 
@@ -207,6 +209,73 @@ async def test_what_the_model_sends_is_stored_whole_on_every_store(
     assert (await get_ok(client, "/v1/sessions/outsized/messages"))["data"] == body["messages"]
     stored = await get_ok(client, f"/v1/runs/{body['run_id']}")
     assert stored["usage"] == body["usage"]
+
+
+async def test_a_call_id_the_api_would_refuse_back_is_never_run(
+    client: httpx.AsyncClient, tool_server: ToolServer, fake_model: FakeAnthropic
+) -> None:
+    # `call:…` ran the tool, was stored, and was refused by the API in the same turn's next
+    # call and in every later one: the side effect done, the session dead.
+    body = await run(client, "bad-ids", "post it", session_id="bad-ids")
+
+    assert body["status"] == "error", body
+    assert body["error"]["type"] == "api_error"
+    assert "is not of A-Z a-z 0-9 _ -" in body["error"]["message"]
+    assert tool_server.count("post_slack") == 0
+    assert (await get_ok(client, "/v1/sessions/bad-ids/messages"))["data"] == []
+    assert len(fake_model.requests) == 1
+
+
+async def test_a_call_id_an_earlier_turn_used_is_never_run(
+    client: httpx.AsyncClient, tool_server: ToolServer, fake_model: FakeAnthropic
+) -> None:
+    # The model (here a test double) names its first call of every turn `toolu_step0_call0`.
+    # The second turn's call ran and was stored, and then the API refused every request of
+    # the session: its ids must be unique over the whole history.
+    first = await run(client, "reused-ids", "post it", session_id="reused")
+    assert first["status"] == "complete", first
+    assert tool_server.count("post_slack") == 1
+
+    second = await run(client, "reused-ids", "post it again", session_id="reused")
+
+    assert second["status"] == "error", second
+    assert second["error"]["type"] == "api_error"
+    assert "'toolu_step0_call0' was used by an earlier call" in second["error"]["message"]
+    assert tool_server.count("post_slack") == 1
+    stored = (await get_ok(client, "/v1/sessions/reused/messages"))["data"]
+    assert stored == first["messages"]
+    assert fake_model.requests[-1]["messages"][-1]["content"][-1]["text"] == "post it again"
+
+
+def without_tools(agents_file: Path) -> Path:
+    """A copy of the test agents file in which `triage` has no tools."""
+    toolless = agents_file.with_name("toolless.yaml")
+    toolless.write_text(
+        agents_file.read_text().replace(
+            "system: You triage incoming issues.\n    tools: [get_issue, post_slack]",
+            "system: You triage incoming issues.\n    tools: []",
+        )
+    )
+    return toolless
+
+
+async def test_an_agent_whose_tools_were_all_removed_continues_its_sessions(
+    database_url: str, agents_file: Path, fake_model: FakeAnthropic
+) -> None:
+    # Its history holds tool_use and tool_result blocks, and the API refuses those in a
+    # request that defines no tools: every later turn failed.
+    async with serve(build_app(database_url, agents_file, fake_model)) as before:
+        first = await run(before, "triage", "triage issue 7", session_id="s-1")
+    assert first["status"] == "complete", first
+
+    async with serve(build_app(database_url, without_tools(agents_file), fake_model)) as after:
+        assert (await get_ok(after, "/v1/agents/triage"))["tools"] == []
+        second = await run(after, "triage", "anything else?", session_id="s-1")
+
+    assert (second["status"], second["response"]) == ("complete", "echo: anything else?")
+    sent = fake_model.requests[-1]
+    assert [t["name"] for t in sent["tools"]] == ["get_issue", "post_slack"]
+    assert sent["tool_choice"] == {"type": "none"}
 
 
 async def test_a_model_error_is_stored_whatever_its_type_and_text(

@@ -61,6 +61,12 @@ agents:
   outsized:
     model: "outsized:post_slack"
     tools: [post_slack]
+  bad-ids:
+    model: "badid:post_slack"
+    tools: [post_slack]
+  reused-ids:
+    model: "reuse:post_slack"
+    tools: [post_slack]
 """
 
 

@@ -12,6 +12,10 @@ crashed-and-resumed run gets consistent answers:
   as text) ending every text and every string of the tool inputs.
 * `outsized:<plan>`: as `plan:<plan>`, with tool_use ids of 300 characters, one more call of
   a tool named with 100 characters (which no agent has), and 3,000,000,000 input tokens.
+* `badid:<plan>`: as `plan:<plan>`, with tool_use ids the API would refuse back (`call:…`).
+* `reuse:<plan>`: as `plan:<plan>`, with tool_use ids that depend only on the step and the
+  call's place in it, so every turn of a session reuses the ids of the turn before.
+* A request with `tool_choice: {"type": "none"}` is answered as `echo` is, whatever its model.
 
 The summary is `done after N steps; errors: <names>; durability errors: <call ids>` (lists
 joined by ","): N counts this turn's assistant messages; `errors` names the tools whose results
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import secrets
 import socket
 import threading
@@ -161,9 +166,52 @@ def validate(body: Any) -> None:
         raise InvalidRequest("messages: at least one message is required")
     for index, message in enumerate(messages):
         _validate_message(messages, index, message)
+    _validate_tool_use(messages, body.get("tools"))
+    _validate_tool_choice(body.get("tool_choice"), body.get("tools"))
+
+
+_TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
+
+
+def _validate_tool_use(messages: list[Any], tools: Any) -> None:
+    """Ids unique over the whole request and of the API's characters; tools defined."""
+    seen: set[str] = set()
+    uses_tools = False
+    for index, message in enumerate(messages):
+        for j, block in enumerate(_blocks(message)):
+            kind = _kind(block)
+            uses_tools = uses_tools or kind in ("tool_use", "tool_result")
+            if kind != "tool_use":
+                continue
+            call_id = block["id"]
+            if not _TOOL_USE_ID.fullmatch(call_id):
+                raise InvalidRequest(
+                    f"messages.{index}.content.{j}.tool_use.id: String should match pattern "
+                    "'^[a-zA-Z0-9_-]+$'"
+                )
+            if call_id in seen:
+                raise InvalidRequest(f"messages.{index}: `tool_use` ids must be unique")
+            seen.add(call_id)
+    if uses_tools and not tools:
+        raise InvalidRequest(
+            "Requests which include `tool_use` or `tool_result` blocks must define tools."
+        )
+
+
+def _validate_tool_choice(choice: Any, tools: Any) -> None:
+    if choice is None:
+        return
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise InvalidRequest("tool_choice: Input tag does not match any of the expected tags")
+    if kind == "tool" and choice.get("name") not in {t["name"] for t in tools or []}:
+        raise InvalidRequest("tool_choice.name: no tool of that name")
 
 
 def _validate_system(system: Any) -> None:
+    if isinstance(system, str) and system and not system.strip():
+        raise InvalidRequest("system: text content blocks must contain non-whitespace text")
     if system is None or isinstance(system, str):
         return
     if not isinstance(system, list) or any(_text_of(b) is None for b in system):
@@ -181,6 +229,10 @@ def _validate_tools(tools: Any) -> None:
             raise InvalidRequest(f"tools.{i}.name: Field required")
         if not isinstance(tool.get("input_schema"), dict):
             raise InvalidRequest(f"tools.{i}.input_schema: Field required")
+        if not _TOOL_NAME.fullmatch(tool["name"]):
+            raise InvalidRequest(
+                f"tools.{i}.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'"
+            )
         if tool["name"] in names:
             raise InvalidRequest("tools: Tool names must be unique.")
         names.add(tool["name"])
@@ -288,7 +340,7 @@ def _kind(block: Any) -> Any:
 
 def parse_steps(model: str) -> list[list[str]] | None:
     """The tool names of each step for `plan:`/`steps:` models; None for echo."""
-    if model.startswith(("plan:", "unstorable:", "outsized:")):
+    if model.startswith(("plan:", "unstorable:", "outsized:", "badid:", "reuse:")):
         plan = model.partition(":")[2]
         steps = [[n.strip() for n in s.split(",") if n.strip()] for s in plan.split(";")]
         return [s for s in steps if s]
@@ -313,14 +365,14 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
             {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": name, "input": {}},
         ]
         stop = "max_tokens"
-    elif steps is None:
+    elif steps is None or (body.get("tool_choice") or {}).get("type") == "none":
         content, stop = [{"type": "text", "text": f"echo: {user_text}"}], "end_turn"
     elif k < len(steps):
         schemas = {t["name"]: t["input_schema"] for t in body.get("tools") or []}
         content = [{"type": "text", "text": f"step {k + 1}"}]
-        for name in steps[k]:
+        for index, name in enumerate(steps[k]):
             arguments = _fill_input(schemas.get(name), k + 1)
-            call_id = "toolu_" + secrets.token_hex(12)
+            call_id = _call_id(body["model"], k, index)
             content.append({"type": "tool_use", "id": call_id, "name": name, "input": arguments})
         stop = "tool_use"
     else:
@@ -346,6 +398,14 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": out_chars // 4 + 1,
         },
     }
+
+
+def _call_id(model: str, step: int, index: int) -> str:
+    if model.startswith("badid:"):
+        return "call:" + secrets.token_hex(12)
+    if model.startswith("reuse:"):
+        return f"toolu_step{step}_call{index}"
+    return "toolu_" + secrets.token_hex(12)
 
 
 def _unstorable(block: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -124,7 +125,7 @@ async def test_repaired_results_merge_with_the_next_user_text(
     ]
 
     # steps:0 answers the summary at once: what the model learned in this turn.
-    response = await llm.complete(request(history, model="steps:0:post_slack"))
+    response = await llm.complete(request(history, model="steps:0:post_slack", tools=[SLACK]))
 
     assert response.text == "done after 0 steps; errors: post_slack; durability errors: toolu_x"
     messages = fake.requests[0]["messages"]
@@ -185,6 +186,57 @@ async def test_final_answer_and_omitted_optionals(
     )
     assert "system" not in fake.requests[0]
     assert "tools" not in fake.requests[0]
+    assert "tool_choice" not in fake.requests[0]
+
+
+async def test_a_system_prompt_of_white_space_is_left_out(
+    llm: AnthropicLLMClient, fake: FakeAnthropic
+) -> None:
+    # The API refuses it (the fake as well): every run of such an agent failed.
+    response = await llm.complete(ModelRequest("echo", " \n\t", [Message.user("hi")], [], 64))
+
+    assert response.text == "echo: hi"
+    assert "system" not in fake.requests[0]
+
+
+async def test_history_with_tool_calls_and_no_tools_left_gets_stand_ins(
+    llm: AnthropicLLMClient, fake: FakeAnthropic
+) -> None:
+    # The API refuses a history with tool_use/tool_result blocks when the request defines no
+    # tools: an agent whose tools were all removed from the agents file could never continue
+    # a session that had used them.
+    issue = ToolCall("toolu_a", "get_issue", {"id": "1"})
+    slack = ToolCall("toolu_b", "post_slack", {"channel": "#ops", "urgent": True})
+    again = ToolCall("toolu_c", "get_issue", {"id": "2"})
+    history = [
+        Message.user("triage issue 1"),
+        Message.assistant("", [issue, slack]),
+        Message.tool(ToolResult.ok(issue, {"title": "broken"})),
+        Message.tool(ToolResult.ok(slack, "posted")),
+        Message.assistant("", [again]),
+        Message.tool(ToolResult.ok(again, {"title": "ok"})),
+        Message.assistant("Done."),
+        Message.user("anything else?"),
+    ]
+
+    response = await llm.complete(request(history, model="plan:get_issue"))
+
+    assert (response.text, response.tool_calls) == ("echo: anything else?", [])
+    (body,) = fake.requests
+    assert [t["name"] for t in body["tools"]] == ["get_issue", "post_slack"]
+    assert all(t["input_schema"] == {"type": "object"} for t in body["tools"])
+    assert body["tool_choice"] == {"type": "none"}  # the model may call none of them
+
+
+async def test_without_tool_calls_in_history_no_tools_are_sent(
+    llm: AnthropicLLMClient, fake: FakeAnthropic
+) -> None:
+    history = [Message.user("a"), Message.assistant("b"), Message.user("c")]
+
+    await llm.complete(request(history))
+
+    assert "tools" not in fake.requests[0]
+    assert "tool_choice" not in fake.requests[0]
 
 
 @pytest.mark.parametrize(
@@ -253,6 +305,31 @@ async def test_connection_refused_is_a_connection_error() -> None:
     error = await failure(f"http://127.0.0.1:{port}")
 
     assert (error.type, error.retryable) == ("api_connection_error", True)
+    assert error.message.startswith("The connection to the model API failed")
+
+
+async def test_an_answer_cut_off_midway_is_a_connection_error() -> None:
+    # It was reported as "Could not connect to the model API.", sending an operator to look
+    # for a network problem that was not there.
+    def answer_half(listener: socket.socket) -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: 500\r\n\r\n" + answer()[:40]
+            )
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        server = threading.Thread(target=answer_half, args=(listener,), daemon=True)
+        server.start()
+        error = await failure(f"http://127.0.0.1:{listener.getsockname()[1]}")
+        server.join(5)
+
+    assert (error.type, error.retryable) == ("api_connection_error", True)
+    assert "or it broke before the answer was complete" in error.message
 
 
 async def test_slow_answer_is_a_timeout(fake: FakeAnthropic) -> None:
@@ -370,6 +447,14 @@ NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
     "input-pairs": (answer(tool_use(arguments=[["x", "y"]])), "application/json"),
     "input-number": (answer(tool_use(arguments=42)), "application/json"),
     "same-id-twice": (answer(tool_use(), tool_use(arguments={"id": "2"})), "application/json"),
+    # Ids and names the API refuses when the history is sent back (a NUL or a lone surrogate
+    # would become U+FFFD, which it refuses too).
+    "call-id-colon": (answer(tool_use(call_id="call:1")), "application/json"),
+    "call-id-space": (answer(tool_use(call_id="toolu 1")), "application/json"),
+    "call-id-nul": (answer(tool_use(call_id="toolu_\x00")), "application/json"),
+    "name-surrogate": (answer(tool_use(name="get_\udfff")), "application/json"),
+    "name-dot": (answer(tool_use(name="tools.get_issue")), "application/json"),
+    "name-too-long": (answer(tool_use(name="n" * 129)), "application/json"),
 }
 
 
@@ -387,33 +472,13 @@ async def test_a_2xx_that_is_not_a_valid_message_is_an_api_error(case: str) -> N
     ), error.message
 
 
-async def test_a_call_id_an_earlier_step_used_is_accepted() -> None:
-    # Results pair with calls within a step (domain.orphaned_calls): an id an earlier step
-    # used breaks nothing, and a test double of the API may well reuse its ids.
-    earlier = ToolCall("toolu_1", "get_issue", {"id": "0"})
-    history = [
-        Message.user("a"),
-        Message.assistant("", [earlier]),
-        Message.tool(ToolResult.ok(earlier, {})),
-        Message.user("b"),
-    ]
-    with model_answering(answer(tool_use("toolu_1"))) as url:
-        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
-        try:
-            response = await llm.complete(request(history, tools=[ISSUE]))
-        finally:
-            await llm.aclose()
-
-    assert response.tool_calls == [ToolCall("toolu_1", "get_issue", {"id": "1"})]
-
-
 async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -> None:
     body = answer(
         {"type": "text", "text": "before \x00 "},
         {"type": "container_upload_v9", "file_id": "f"},  # newer than the SDK
         {"type": "thinking", "thinking": "hm", "signature": "s"},
         {"type": "text", "text": "after \ud800"},
-        tool_use("toolu_\x00", "get_\udfff", {"id\x00": ["\ud83d", "ok \U0001f600"]}),
+        tool_use("toolu_1", "get_issue", {"id\x00": ["\ud83d", "ok \U0001f600"]}),
     )
     with model_answering(body) as url:
         llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
@@ -425,7 +490,7 @@ async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -
     # NUL (PostgreSQL text) and lone surrogates (not UTF-8) cannot be stored: U+FFFD.
     assert response.text == "before \ufffd after \ufffd"
     assert response.tool_calls == [
-        ToolCall("toolu_\ufffd", "get_\ufffd", {"id\ufffd": ["\ufffd", "ok \U0001f600"]})
+        ToolCall("toolu_1", "get_issue", {"id\ufffd": ["\ufffd", "ok \U0001f600"]})
     ]
     assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 4)
 

@@ -510,6 +510,17 @@ async def test_ok_result_and_context_passed() -> None:
     assert handler.calls == [({"n": 1}, CTX)]
 
 
+async def test_a_result_keeps_its_text_and_loses_only_what_no_store_holds() -> None:
+    # Escaped (\u00e9, \ud83c\udf0d) the model read six characters and more tokens for each;
+    # a lone surrogate, which UTF-8 cannot carry, becomes U+FFFD as in what the model says.
+    handler = Recorder({"title": "héllo 🌍 日本", "odd": "x\ud800", "nul": "a\x00b"})
+    registry = make_registry(handler)
+    result = await registry.execute(ToolCall("toolu_1", "t", {"n": 1}), CTX, allowed={"t"})
+    assert not result.is_error
+    assert result.content == '{"title":"héllo 🌍 日本","odd":"x\ufffd","nul":"a\\u0000b"}'
+    assert json.loads(result.content)["nul"] == "a\x00b"  # NUL stays escaped JSON
+
+
 async def test_unknown_tool() -> None:
     handler = Recorder()
     registry = make_registry(handler)

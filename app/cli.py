@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import click
 import uvicorn
 from pydantic import ValidationError
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from app.db.migrate import upgrade
+from app.db.session import shown_url
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock
@@ -50,8 +50,9 @@ def _upgrade(database_url: str) -> None:
     except (DBAPIError, OSError) as exc:
         cause = exc.orig if isinstance(exc, DBAPIError) else exc
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        shown = make_url(database_url).render_as_string(hide_password=True)
-        raise click.ClickException(f"cannot use the database {shown}: {reason}") from None
+        raise click.ClickException(
+            f"cannot use the database {shown_url(database_url)}: {reason}"
+        ) from None
 
 
 class DrainingServer(uvicorn.Server):

@@ -9,6 +9,7 @@ Message contents and API keys are never put in log records at INFO.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -54,15 +55,26 @@ class ContextFilter(logging.Filter):
         return True
 
 
-class TextFormatter(logging.Formatter):
-    """`time level logger: message key=value ...` with the context fields."""
+# Characters that would start a line of their own, or reach the terminal as a command.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
-    def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
+
+def _escaped(text: str) -> str:
+    """`text` with control characters written as escapes (`\\n`, `\\x1b`)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+class TextFormatter(logging.Formatter):
+    """`time level logger: message key=value ...` with the context fields, one line per
+    record but for a traceback: what a client sent (a path, an agent name) cannot forge a
+    line or colour the terminal."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
         extras = " ".join(
             f"{name}={getattr(record, name)}" for name in CONTEXT_FIELDS if hasattr(record, name)
         )
-        return f"{base} {extras}" if extras else base
+        return _escaped(f"{line} {extras}" if extras else line)
 
 
 def configure_logging(level: str, fmt: str) -> None:

@@ -11,7 +11,7 @@ from starlette.types import Lifespan
 
 from app.api import problems
 from app.api.auth import ApiKeys, RequireApiKey
-from app.api.deps import Lifecycle, Services, bearer_scheme, get_tenant, refuse_nul
+from app.api.deps import Lifecycle, Services, bearer_scheme, get_tenant, plain_parameters
 from app.api.document import finish_document, operation_id
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
@@ -57,7 +57,13 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     registry = load_registry(settings.agents_file)
     if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
         _refuse_unknown_scripts(registry, settings.agents_file)
-    api_keys = ApiKeys.parse(settings.api_keys.get_secret_value()) if settings.api_keys else None
+    # Set but empty is refused (ApiKeys.parse), not taken for unset: a deployment template
+    # that lost its keys must not serve every tenant's data without one.
+    api_keys = (
+        ApiKeys.parse(settings.api_keys.get_secret_value())
+        if settings.api_keys is not None
+        else None
+    )
     metrics = Metrics()
     lifecycle = Lifecycle()
 
@@ -113,7 +119,7 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
         generate_unique_id_function=operation_id,
         # A path the API does not have is 404, also with a trailing slash (not a redirect).
         redirect_slashes=False,
-        dependencies=[Depends(refuse_nul)],
+        dependencies=[Depends(plain_parameters)],
     )
     problems.install(app)
     for module in (runs, sessions, agents):

@@ -21,6 +21,8 @@ class ApiKeys:
     @classmethod
     def parse(cls, spec: str) -> ApiKeys:
         """Parse the API_KEYS value; a malformed entry is a ConfigError (without the key)."""
+        if not spec.strip():
+            raise ConfigError("API_KEYS is set but empty: name key:tenant entries, or unset it")
         keys: dict[str, str] = {}
         for position, entry in enumerate(spec.split(","), start=1):
             key, sep, tenant = (part.strip() for part in entry.rpartition(":"))
@@ -29,8 +31,6 @@ class ApiKeys:
             if key in keys:  # the key is not quoted: it is a secret
                 raise ConfigError(f"API_KEYS: entry {position} repeats the key of an earlier one")
             keys[key] = tenant
-        if not keys:
-            raise ConfigError("API_KEYS is set but names no key")
         return cls(keys)
 
     def tenant(self, token: str | None) -> str:
@@ -85,9 +85,14 @@ class RequireApiKey:
 
 
 def _bearer_token(scope: Scope) -> str | None:
-    """The credentials of an `Authorization: Bearer <token>` header (the scheme in any case)."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").strip().partition(" ")
-            return token if scheme.lower() == "bearer" else None
-    return None
+    """The credentials of an `Authorization: Bearer <token>` header (the scheme in any case).
+
+    Two Authorization headers are refused: they name no one caller, and a proxy that reads
+    the other one would act for another tenant than the service does."""
+    values = [value for name, value in scope["headers"] if name == b"authorization"]
+    if len(values) > 1:
+        raise Unauthorized("Send one Authorization header, not several.")
+    if not values:
+        return None
+    scheme, _, token = values[0].decode("latin-1").strip().partition(" ")
+    return token if scheme.lower() == "bearer" else None

@@ -84,9 +84,11 @@ RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
 
 
-def refuse_nul(request: Request) -> None:
-    """A path or query value holding NUL is invalid input (422), on every store alike:
-    PostgreSQL text cannot hold the character, so it must never reach a query."""
+def plain_parameters(request: Request) -> None:
+    """Path and query values the handlers can trust, on every store alike (422 otherwise):
+    none holds NUL (PostgreSQL text cannot hold the character, so it must never reach a
+    query), and no query parameter comes twice (each takes one value: the router would
+    read the last, a proxy perhaps the first)."""
     errors = [
         {"loc": (where, name), "msg": "must not contain NUL characters", "type": "value_error"}
         for where, items in (
@@ -95,6 +97,11 @@ def refuse_nul(request: Request) -> None:
         )
         for name, value in items
         if "\x00" in str(value)
+    ]
+    names = [name for name, _ in request.query_params.multi_items()]
+    errors += [
+        {"loc": ("query", name), "msg": "must be sent once", "type": "value_error"}
+        for name in sorted({n for n in names if names.count(n) > 1})
     ]
     if errors:
         raise RequestValidationError(errors)

@@ -9,7 +9,7 @@ from fastapi.routing import APIRoute
 
 from app.api.problems import PROBLEM_JSON
 
-# What app.api.deps.refuse_nul lets through: any string without NUL.
+# What app.api.deps.plain_parameters lets through: any string without NUL.
 NO_NUL = "^[^\\x00]*$"
 
 
@@ -55,7 +55,7 @@ def _problems_as_problem_json(operation: dict[str, Any]) -> None:
 
 
 def _no_nul_in_parameters(operation: dict[str, Any]) -> None:
-    """Path and query strings refuse NUL (app.api.deps.refuse_nul): say so where a string
+    """Path and query strings refuse NUL (app.api.deps.plain_parameters): say so where a string
     parameter has no pattern of its own."""
     for parameter in operation.get("parameters", []):
         if parameter["in"] not in ("path", "query"):

@@ -22,7 +22,7 @@ from app.bench.scenario import (
 )
 from app.bench.service import measure_service
 from app.db.migrate import upgrade
-from app.db.session import MEMORY_URL
+from app.db.session import MEMORY_URL, shown_url
 
 
 def run_bench(options: BenchOptions) -> Report:
@@ -53,7 +53,7 @@ def run_bench(options: BenchOptions) -> Report:
             "platform": platform.platform(terse=True),
             "database": _kind(url),
             "database_version": version,
-            "database_url": make_url(url).render_as_string(hide_password=True),
+            "database_url": shown_url(url),
         },
         service=service,
         http=http,

@@ -349,7 +349,12 @@ class PostgresJournalStore:
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
         a statement error is invalidated, and on a lost connection the whole pool with it."""
-        pooled = await self.engine.raw_connection()
+        try:
+            pooled = await self.engine.raw_connection()
+        except Exception as exc:
+            # No connection could be had (refused, the pool exhausted): the pool raises the
+            # driver's own error, which no handler of SQLAlchemy's errors knows.
+            raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
         try:
             raw = pooled.driver_connection
             assert raw is not None

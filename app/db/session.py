@@ -88,6 +88,19 @@ def async_url(database_url: str) -> str:
     )
 
 
+# Query options that carry a secret (libpq's names).
+_SECRET_OPTIONS = frozenset({"password", "sslpassword"})
+
+
+def shown_url(database_url: str) -> str:
+    """The URL as logs and messages may show it: its password hidden, in the authority or
+    in a query option."""
+    url = make_url(database_url)
+    query = {k: "***" if k.lower() in _SECRET_OPTIONS else v for k, v in url.query.items()}
+    # The query is rendered percent-encoded; *** reads as the password's *** does.
+    return url.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
+
+
 def _scratch_dir() -> Path:
     """memory:// is not durable: a private SQLite file in memory-backed /dev/shm where there is
     one, removed on dispose. Same engine code as the SQLite store, none of its promises (a

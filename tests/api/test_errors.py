@@ -396,6 +396,39 @@ async def test_nul_in_a_path_or_query_value_is_a_validation_error(
     assert_all(outcomes, 422, "validation_error")
 
 
+@pytest.mark.usefixtures("session")
+async def test_a_query_parameter_sent_twice_is_a_validation_error(
+    client: httpx.AsyncClient,
+) -> None:
+    # The router read the last value: `?user_id=bob&user_id=alice` acted as alice, where a
+    # proxy or an audit log reading the first would have seen bob.
+    urls = [
+        *(f"{path}?limit=1&limit=2" for path in [*SESSION_LISTS, "/v1/agents"]),
+        "/v1/sessions?user_id=bob&user_id=alice",
+        "/v1/sessions/s-1?user_id=a&user_id=a",
+        "/v1/sessions?agent=echo&limit=5&agent=triage",
+    ]
+    outcomes = {url: outcome(await client.get(url)) for url in urls}
+    assert_all(outcomes, 422, "validation_error")
+
+    body = assert_problem(await client.get("/v1/sessions?limit=1&limit=2"), 422, "validation_error")
+    assert body["errors"] == [
+        {"loc": ["query", "limit"], "msg": "must be sent once", "type": "value_error"}
+    ]
+
+
+async def test_an_empty_filter_of_the_sessions_list_is_a_validation_error(
+    client: httpx.AsyncClient,
+) -> None:
+    # It filtered on "" and answered an empty page, where every route taking a user_id
+    # refuses the empty one.
+    outcomes = {
+        url: outcome(await client.get(url))
+        for url in ["/v1/sessions?user_id=", "/v1/sessions?agent="]
+    }
+    assert_all(outcomes, 422, "validation_error")
+
+
 async def test_a_body_without_a_json_content_type_says_so(client: httpx.AsyncClient) -> None:
     response = await client.post(
         "/v1/runs",

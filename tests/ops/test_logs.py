@@ -192,6 +192,30 @@ def test_text_format_and_warning_level(tmp_path: Path, agents_server: AgentsServ
     assert "session_id=t-1" in failed[0] and "agent=broken-model" in failed[0]
 
 
+def test_text_lines_cannot_be_forged_by_what_a_client_sends(
+    tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    # A newline in a path or an agent name started a line of the client's choosing, and an
+    # escape sequence reached the operator's terminal.
+    server = agents_server(
+        database_url=f"sqlite:///{tmp_path / 'forge.db'}", env={"LOG_FORMAT": "text"}
+    )
+    forged = "\n2026-01-01 00:00:00,000 CRITICAL app: FORGED \x1b[31m\u2028"
+    with server, server.client() as client:
+        answer = client.post("/v1/runs", json={"agent": f"echo{forged}", "message": "hi"})
+        assert answer.status_code == 404, answer.text
+        assert client.get("/v1/runs/x%0A2026-01-01%20CRITICAL%20FORGED%1B%5B31m").status_code == 404
+
+    text = server.logs()
+    lines = text.splitlines()
+    levels = [match["level"] for match in map(TEXT_LINE.match, lines) if match]
+    assert len(levels) == len(lines), text  # every line one of the server's
+    assert "CRITICAL" not in levels
+    assert "\x1b" not in text and "\u2028" not in text
+    assert sum("FORGED" in line for line in lines) == 2, text
+    assert "agent=echo\\n2026-01-01" in text
+
+
 def test_debug_level_logs_no_message_text_and_no_key(
     tmp_path: Path, fake_model: FakeAnthropic, agents_server: AgentsServer
 ) -> None:

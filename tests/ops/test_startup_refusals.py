@@ -86,6 +86,24 @@ def test_a_takeover_time_shorter_than_four_heartbeats_is_refused(tmp_path: Path)
     ) in logs, logs
 
 
+def test_an_empty_api_keys_is_refused_not_taken_for_no_auth(tmp_path: Path) -> None:
+    # It served every /v1 route without a key: a deployment whose template lost its keys
+    # was open to anyone.
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'keys.db'}", {"API_KEYS": ""})
+    assert "Error: API_KEYS is set but empty: name key:tenant entries, or unset it" in logs, logs
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_password_in_the_database_url_is_never_shown(tmp_path: Path, database_url: str) -> None:
+    # In the query string (libpq's `password` option) it was printed as given.
+    base = database_url.rsplit("/", 1)[0]
+    logs = refusal(tmp_path, f"{base}/no_such_database_here?password=s3cret-pw")
+    assert "cannot use the database" in logs and "password=***" in logs, logs
+    assert "s3cret-pw" not in logs, logs
+
+
 def test_a_database_that_cannot_be_used_is_named_in_one_line(
     tmp_path: Path, database_url: str
 ) -> None:

@@ -22,20 +22,36 @@ KEY = {"Idempotency-Key": "turn-1"}
 ECHO = {"agent": "echo", "message": "hello"}
 
 
+def _admin(database_url: str, statement: str) -> None:
+    """Run one statement on the test server's admin database (it may change this one)."""
+
+    async def go() -> None:
+        url = make_url(database_url).set(drivername="postgresql", database="postgres")
+        conn = await asyncpg.connect(url.render_as_string(hide_password=False))
+        try:
+            await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
 def _terminate_pooled_connections(database_url: str) -> int:
-    """End every backend on the database except ours and the one holding advisory locks
-    (the server's ownership connection): what is left is the server's connection pool."""
+    """End every backend on the database but the one holding advisory locks (the server's
+    ownership connection): what is left is the server's connection pool."""
 
     async def go() -> int:
-        url = make_url(database_url).set(drivername="postgresql")
-        conn = await asyncpg.connect(url.render_as_string(hide_password=False))
+        url = make_url(database_url)
+        admin = url.set(drivername="postgresql", database="postgres")
+        conn = await asyncpg.connect(admin.render_as_string(hide_password=False))
         try:
             ended = await conn.fetchval(
                 "SELECT count(*) FROM ("
                 " SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " WHERE datname = $1"
                 " AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
-                ") AS ended"
+                ") AS ended",
+                url.database,
             )
             return int(ended)
         finally:
@@ -78,3 +94,38 @@ def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
         assert sum(1 for m in history if m["role"] == "user") == 1
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_write_that_cannot_connect_at_all_answers_503(
+    database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    # The database refuses new connections (a role that may no longer log in, a database
+    # being dropped, too many clients) while a run's tool is in flight: the driver's own
+    # error reached the client as a 500 `internal_error`.
+    database = make_url(database_url).database
+    server = agents_server(database_url=database_url).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
+            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
+            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            assert _terminate_pooled_connections(database_url) >= 1
+            # A read meets a dead connection: the pool is then renewed, so write #2 must
+            # open a connection, which the database refuses.
+            assert client.get("/v1/sessions").status_code == 503
+            tool_server.release()
+            refused = in_flight.result(timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["code"] == "database_unavailable"
+
+            _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+            resumed = client.post("/v1/runs", json=TURN, headers=KEY)
+            assert resumed.status_code == 200, resumed.text
+            assert resumed.json()["status"] == "complete"
+        assert tool_server.count("slow_post") == 1
+    finally:
+        server.kill()
+        _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')

@@ -63,6 +63,11 @@ def test_api_keys_tenants_and_users(servers: Servers) -> None:
                 response = call(client, headers)
                 assert_problem(response, 401, "unauthorized")
                 assert response.headers.get("www-authenticate") == "Bearer", name
+        # Two keys name no one tenant (the first one was taken; a proxy may read the last).
+        for first, second in (("key-acme", "key-globex"), ("key-globex", "key-acme")):
+            both = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+            refused = assert_problem(client.get("/v1/sessions", headers=both), 401, "unauthorized")
+            assert refused["detail"] == "Send one Authorization header, not several."
         for path in ("/healthz", "/readyz"):
             assert client.get(path).status_code == 200, path
         # What is no route is the router's answer, key or not (the routes are public).

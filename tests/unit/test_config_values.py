@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from app.api.auth import ApiKeys
-from app.db.session import async_url
+from app.db.session import async_url, shown_url
 from app.errors import ConfigError, Unauthorized
 
 
@@ -26,12 +26,30 @@ def test_api_keys_ignore_spaces_around_key_and_tenant() -> None:
         ("k1", "API_KEYS: entry 1 is not key:tenant"),
         ("k1:a,:b", "API_KEYS: entry 2 is not key:tenant"),
         ("k1: ", "API_KEYS: entry 1 is not key:tenant"),
+        ("", "API_KEYS is set but empty: name key:tenant entries, or unset it"),
+        (" ", "API_KEYS is set but empty: name key:tenant entries, or unset it"),
+        ("k1:a,", "API_KEYS: entry 2 is not key:tenant"),
     ],
 )
 def test_api_keys_refused_with_the_entry_named_and_no_key_shown(spec: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         ApiKeys.parse(spec)
     assert str(caught.value) == problem
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://u:s3cret@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u@h/db?password=s3cret", "postgresql://u@h/db?password=***"),
+        ("postgresql://u@h/db?ssl=require&sslpassword=s3cret", "ssl=require&sslpassword=***"),
+        ("postgresql://u@h/db?PASSWORD=s3cret", "postgresql://u@h/db?PASSWORD=***"),
+        ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db"),
+    ],
+)
+def test_a_shown_database_url_hides_its_password_wherever_it_is(url: str, shown: str) -> None:
+    assert shown in shown_url(url)
+    assert "s3cret" not in shown_url(url)
 
 
 @pytest.mark.parametrize("mode", ["disable", "require", "verify-full"])

@@ -38,8 +38,8 @@ UserId = Annotated[
 async def list_sessions(
     sessions: SessionServiceDep,
     tenant: TenantDep,
-    agent: Annotated[str | None, Query(max_length=64)] = None,
-    user_id: Annotated[str | None, Query(max_length=128)] = None,
+    agent: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+    user_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
     limit: Limit = DEFAULT_PAGE,
     after: After = None,
 ) -> Page[SessionRead]:

@@ -45,13 +45,15 @@ def bound(**values: str | None) -> Iterator[None]:
 
 
 class ContextFilter(logging.Filter):
-    """Adds the bound context fields to each record."""
+    """Adds the bound context fields to each record (and drops uvicorn's `color_message`,
+    its message again with terminal colour codes, which a JSON line would carry)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         for name, var in _context.items():
             value = var.get()
             if value is not None and not hasattr(record, name):
                 setattr(record, name, value)
+        record.__dict__.pop("color_message", None)
         return True
 
 
@@ -105,6 +107,15 @@ def configure_logging(level: str, fmt: str) -> None:
 
 
 CLIENT_CLOSED_REQUEST = 499
+# A path is logged up to this many characters: any client may send one of 64 KiB, logged
+# twice per line (message and field), with no key at all.
+MAX_LOGGED_PATH = 512
+
+
+def _logged_path(path: str) -> str:
+    if len(path) <= MAX_LOGGED_PATH:
+        return path
+    return f"{path[:MAX_LOGGED_PATH]}…(+{len(path) - MAX_LOGGED_PATH} characters)"
 
 
 class AccessLog:
@@ -140,16 +151,17 @@ class AccessLog:
                 # No answer was started: the client went away first (nginx's 499, "client
                 # closed request"), or the server answers 500 itself.
                 status = CLIENT_CLOSED_REQUEST if gone else 500
+            path = _logged_path(scope["path"])
             extra: dict[str, Any] = {
                 "method": scope["method"],
-                "path": scope["path"],
+                "path": path,
                 "status": status,
                 "duration_ms": round((time.perf_counter() - start) * 1000, 2),
             }
             access_log.info(
                 "%s %s %s %.1fms",
                 scope["method"],
-                scope["path"],
+                path,
                 status,
                 extra["duration_ms"],
                 extra=extra,

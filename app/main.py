@@ -97,7 +97,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             await registry.aclose()
             await db.dispose()
 
-    app = _api(lifespan, api_keys)
+    app = _api(lifespan, api_keys, lifecycle)
     app.state.lifecycle = lifecycle
     return app
 
@@ -109,7 +109,7 @@ def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) ->
             raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
 
 
-def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
+def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None, lifecycle: Lifecycle) -> FastAPI:
     """The routes, error handlers and middleware."""
     app = FastAPI(
         title="agent-runner",
@@ -130,7 +130,7 @@ def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None) -> FastAPI:
         )
     app.include_router(health.router)
     # The last added runs first: the key is checked before BodySizeLimit reads the body.
-    app.add_middleware(BodySizeLimit)
+    app.add_middleware(BodySizeLimit, lifecycle=lifecycle)
     app.add_middleware(RequireApiKey, keys=api_keys, router=app.router)
     app.add_middleware(HeadAsGet)
     app.add_middleware(AccessLog)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -20,9 +20,23 @@ from app.tools.registry import ToolRegistry
 
 @dataclass
 class Lifecycle:
-    """Process state the routes consult: set `draining` when shutdown begins."""
+    """Process state the routes consult: `draining` once shutdown has begun (`drain`)."""
 
     draining: bool = False
+    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def drain(self) -> None:
+        """Shutdown begins. Called from a signal handler, on the event loop's thread: the
+        event is set by the loop itself, as a signal handler must not run its callbacks."""
+        self.draining = True
+        try:
+            asyncio.get_running_loop().call_soon_threadsafe(self._drained.set)
+        except RuntimeError:  # no loop runs (the app was never served)
+            self._drained.set()
+
+    async def drained(self) -> None:
+        """Return once shutdown has begun."""
+        await self._drained.wait()
 
 
 @dataclass

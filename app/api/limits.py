@@ -1,20 +1,29 @@
-"""Refuse request bodies over 1 MiB before anything parses them."""
+"""Read request bodies before anything parses them: over 1 MiB is refused, and so is one
+still arriving when shutdown begins."""
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.deps import Lifecycle
 from app.api.problems import problem_response
-from app.errors import PayloadTooLarge
+from app.errors import AppError, PayloadTooLarge, ShuttingDown
 
 MAX_BODY_BYTES = 1024 * 1024
 
 
 class BodySizeLimit:
-    """Buffers at most MAX_BODY_BYTES of a request body; more answers 413 payload_too_large."""
+    """Buffers at most MAX_BODY_BYTES of a request body; more answers 413 payload_too_large.
 
-    def __init__(self, app: ASGIApp, *, limit: int = MAX_BODY_BYTES) -> None:
+    A body still arriving when shutdown begins is answered 503 shutting_down at once: its
+    request has reached nothing yet, and a slow client would otherwise hold the shutdown
+    for all of SHUTDOWN_GRACE_S, to be cut off then."""
+
+    def __init__(self, app: ASGIApp, *, lifecycle: Lifecycle, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
+        self.lifecycle = lifecycle
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -23,19 +32,22 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(scope, receive, send)
+            await self._reject(scope, receive, send, self._too_large())
             return
         chunks: list[bytes] = []
         size = 0
         more = True
         while more:
-            message = await receive()
+            message = await self._receive_unless_draining(receive)
+            if message is None:
+                await self._reject(scope, receive, send, ShuttingDown())
+                return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._reject(scope, receive, send)
+                await self._reject(scope, receive, send, self._too_large())
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -51,8 +63,22 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = problem_response(
-            PayloadTooLarge(f"The request body is over {self.limit} bytes.")
-        )
-        await response(scope, receive, send)
+    async def _receive_unless_draining(self, receive: Receive) -> Message | None:
+        """The next message of the request, or None if shutdown begins first."""
+        if self.lifecycle.draining:
+            return None
+        arrived = asyncio.ensure_future(receive())
+        drained = asyncio.ensure_future(self.lifecycle.drained())
+        try:
+            await asyncio.wait((arrived, drained), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+            if not arrived.done():
+                arrived.cancel()
+        return arrived.result() if arrived.done() and not arrived.cancelled() else None
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"The request body is over {self.limit} bytes.")
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, error: AppError) -> None:
+        await problem_response(error)(scope, receive, send)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -145,3 +146,45 @@ def test_sigterm_cuts_off_a_run_after_the_grace_period_and_it_resumes_as_after_a
     assert len(results) == 1
     assert json.loads(results[0]["content"])["kind"] == "tool-durability-error"
     assert sum(1 for m in messages if m["role"] == "user") == 1
+
+
+def test_sigterm_answers_a_body_still_arriving_at_once(
+    tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    # A client sending its body slowly held the shutdown for all of SHUTDOWN_GRACE_S, and was
+    # then cut off with a 500 and a traceback in the log; its request had reached nothing.
+    server = agents_server(
+        database_url=f"sqlite:///{tmp_path / 'slow-body.db'}", env={"SHUTDOWN_GRACE_S": "30"}
+    ).start()
+    uploads: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            upload = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            upload.sendall(
+                b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"ag'
+            )
+            uploads.append(upload)
+        time.sleep(0.5)  # the bodies are being read
+        sent = _sigterm(server)
+        answers = [_read_until_closed(upload) for upload in uploads]
+        assert server.process is not None and server.process.wait(timeout=15) == 0, server.logs()
+        took = time.monotonic() - sent
+    finally:
+        for upload in uploads:
+            upload.close()
+        server.kill()
+
+    assert took < 10, f"the shutdown took {took:.1f}s for uploads that reached nothing"
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        assert json.loads(body)["code"] == "shutting_down"
+    assert "Traceback" not in server.logs(), server.logs()
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -101,7 +101,7 @@ class AnthropicLLMClient:
                     tool_choice=tool_choice,
                 )
         except (anthropic.AnthropicError, TimeoutError) as err:
-            error = _to_llm_error(err)
+            error = _to_llm_error(err, self._timeout_s)
             # Type and status only: the error text may quote the request, which holds prompts.
             log.warning(
                 "model call failed",
@@ -266,10 +266,16 @@ def _to_blocks(message: Message) -> tuple[_ApiRole, list[_Block]]:
     return "assistant", blocks
 
 
-def _to_llm_error(err: anthropic.AnthropicError | TimeoutError) -> LLMError:
+def _to_llm_error(err: anthropic.AnthropicError | TimeoutError, timeout_s: float) -> LLMError:
     """Name an SDK failure; `retryable` mirrors the SDK's own retry policy."""
     if isinstance(err, anthropic.APITimeoutError | TimeoutError):
-        return LLMError("The model call timed out.", type="api_timeout", retryable=True)
+        # Also what a 429 asking to wait longer than the bound ends as: say what the bound is.
+        return LLMError(
+            f"The model call did not finish within ANTHROPIC_TIMEOUT_S ({timeout_s:g} s),"
+            " its retries and their waits included.",
+            type="api_timeout",
+            retryable=True,
+        )
     if isinstance(err, anthropic.APIConnectionError):
         # The SDK's name for both: no connection, and one that broke before the answer ended.
         return LLMError(

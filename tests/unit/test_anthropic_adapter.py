@@ -509,3 +509,5 @@ async def test_the_timeout_bounds_the_whole_call_with_its_retries() -> None:
 
     assert error.type == "api_timeout"
     assert took < 10, f"the call took {took:.1f} s against a 1 s timeout"
+    # It said "timed out" only: an operator looked for a slow API, not a long Retry-After.
+    assert error.message.startswith("The model call did not finish within ANTHROPIC_TIMEOUT_S")

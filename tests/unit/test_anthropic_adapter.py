@@ -63,13 +63,12 @@ def request(
     return ModelRequest(model, "You triage issues.", messages, tools or [], 256)
 
 
-async def test_multi_step_history_groups_tool_results(
-    llm: AnthropicLLMClient, fake: FakeAnthropic
-) -> None:
+def tool_history() -> list[Message]:
+    """A turn's first two steps: two calls (one failed), then one call with blank text."""
     issue = ToolCall("toolu_a", "get_issue", {"id": "1"})
     slack = ToolCall("toolu_b", "post_slack", {"channel": "#ops", "urgent": True})
     again = ToolCall("toolu_c", "get_issue", {"id": "2"})
-    history = [
+    return [
         Message.user("triage issue 1"),
         Message.assistant("Looking.", [issue, slack]),
         Message.tool(ToolResult.ok(issue, {"title": "broken"})),
@@ -78,7 +77,11 @@ async def test_multi_step_history_groups_tool_results(
         Message.tool(ToolResult.ok(again, {"title": "ok"})),
     ]
 
-    response = await llm.complete(request(history, tools=[ISSUE, SLACK]))
+
+async def test_multi_step_history_groups_tool_results(
+    llm: AnthropicLLMClient, fake: FakeAnthropic
+) -> None:
+    response = await llm.complete(request(tool_history(), tools=[ISSUE, SLACK]))
 
     assert response.text == "echo: triage issue 1"
     (body,) = fake.requests
@@ -205,19 +208,7 @@ async def test_history_with_tool_calls_and_no_tools_left_gets_stand_ins(
     # The API refuses a history with tool_use/tool_result blocks when the request defines no
     # tools: an agent whose tools were all removed from the agents file could never continue
     # a session that had used them.
-    issue = ToolCall("toolu_a", "get_issue", {"id": "1"})
-    slack = ToolCall("toolu_b", "post_slack", {"channel": "#ops", "urgent": True})
-    again = ToolCall("toolu_c", "get_issue", {"id": "2"})
-    history = [
-        Message.user("triage issue 1"),
-        Message.assistant("", [issue, slack]),
-        Message.tool(ToolResult.ok(issue, {"title": "broken"})),
-        Message.tool(ToolResult.ok(slack, "posted")),
-        Message.assistant("", [again]),
-        Message.tool(ToolResult.ok(again, {"title": "ok"})),
-        Message.assistant("Done."),
-        Message.user("anything else?"),
-    ]
+    history = [*tool_history(), Message.assistant("Done."), Message.user("anything else?")]
 
     response = await llm.complete(request(history, model="plan:get_issue"))
 

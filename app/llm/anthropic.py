@@ -21,7 +21,7 @@ from anthropic.types import (
 )
 
 from app.domain import Message, Role, ToolCall, Usage, storable
-from app.llm.base import LLMError, ModelRequest, ModelResponse
+from app.llm.base import LLMError, ModelRequest, ModelResponse, not_a_message
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +157,7 @@ def _tools(
 
 def _not_a_message(why: str) -> LLMError:
     log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
-    return LLMError(
-        f"The model API answered something that is not a valid message: {why}", type="api_error"
-    )
+    return not_a_message(why)
 
 
 class _NotAMessage(Exception):

@@ -45,6 +45,14 @@ class LLMError(Exception):
         self.retryable = retryable
 
 
+def not_a_message(why: str) -> LLMError:
+    """The error of a model answer the runner cannot act on: `why` says what is wrong with
+    its shape (never the model's words)."""
+    return LLMError(
+        f"The model API answered something that is not a valid message: {why}", type="api_error"
+    )
+
+
 class LLMClient(Protocol):
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Ask the model for its next message; raise LLMError on failure."""

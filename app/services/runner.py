@@ -20,7 +20,7 @@ from app.domain import (
     orphaned_calls,
 )
 from app.errors import SessionConflict
-from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse
+from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse, not_a_message
 from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
 from app.tools.base import AgentConfig, ToolContext
@@ -180,14 +180,9 @@ class AgentRunner:
             return RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
         if reused is not None:
-            log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
-            return RunEnd(
-                RunStatus.ERROR,
-                last_text,
-                "api_error",
-                "The model API answered something that is not a valid message: tool_use id"
-                f" {reused[:64]!r} was used by an earlier call of this session",
-            )
+            error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")
+            log.warning("model call failed", extra={"error_type": error.type, "retryable": False})
+            return RunEnd(RunStatus.ERROR, last_text, error.type, error.message)
         return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:

@@ -26,6 +26,13 @@ def storable(value: _T) -> _T:
     return value
 
 
+def json_text(value: Any, *, separators: tuple[str, str] | None = None) -> str:
+    """A tool result's JSON text: other than ASCII kept as it is, not escaped (the model
+    reads it in fewer tokens), and what no store can hold (a lone surrogate) as U+FFFD."""
+    text = json.dumps(value, separators=separators, ensure_ascii=False, allow_nan=False)
+    return storable(text)
+
+
 class Role(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
@@ -73,17 +80,14 @@ class ToolResult:
 
     @classmethod
     def ok(cls, call: ToolCall, value: Any) -> ToolResult:
-        """A successful result; `value` must be JSON-serialisable (ValueError or TypeError
-        if not; NaN and Infinity are not JSON). Text other than ASCII is kept as it is, not
-        escaped: the model reads it in fewer tokens. What no store can hold (a lone
-        surrogate) becomes U+FFFD (see `storable`)."""
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return cls(call.id, call.name, storable(text), False)
+        """A successful result; `value` must be JSON-serialisable (TypeError, ValueError or
+        RecursionError if not; NaN and Infinity are not JSON)."""
+        return cls(call.id, call.name, json_text(value, separators=(",", ":")), False)
 
     @classmethod
     def error(cls, call: ToolCall, message: str) -> ToolResult:
         """An error result the model can read: {"error": message}."""
-        return cls(call.id, call.name, json.dumps({"error": message}), True)
+        return cls(call.id, call.name, json_text({"error": message}), True)
 
 
 def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
@@ -98,7 +102,7 @@ def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
         "toolName": tool_name,
         "toolCallId": tool_call_id,
     }
-    return ToolResult(tool_call_id, tool_name, json.dumps(body), True)
+    return ToolResult(tool_call_id, tool_name, json_text(body), True)
 
 
 def is_durability_error(content: str) -> bool:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,20 +26,35 @@ class Lifecycle:
     """Process state the routes consult: `draining` once shutdown has begun (`drain`)."""
 
     draining: bool = False
-    _drained: asyncio.Event = field(default_factory=asyncio.Event)
+    # Requests waiting for more of their body (BodySizeLimit): shutdown cancels the wait.
+    _uploads: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
 
     def drain(self) -> None:
         """Shutdown begins. Called from a signal handler, on the event loop's thread: the
-        event is set by the loop itself, as a signal handler must not run its callbacks."""
+        waits are cancelled by the loop itself, as a signal handler must not touch tasks."""
         self.draining = True
         try:
-            asyncio.get_running_loop().call_soon_threadsafe(self._drained.set)
-        except RuntimeError:  # no loop runs (the app was never served)
-            self._drained.set()
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs: nothing waits
+            return
+        loop.call_soon_threadsafe(self._cut_uploads)
 
-    async def drained(self) -> None:
-        """Return once shutdown has begun."""
-        await self._drained.wait()
+    def _cut_uploads(self) -> None:
+        for task in self._uploads:
+            task.cancel()
+
+    @contextmanager
+    def awaiting_body(self) -> Iterator[None]:
+        """Around a wait for more of the request's body: shutdown cancels it."""
+        task = asyncio.current_task()
+        if task is None:
+            yield
+            return
+        self._uploads.add(task)
+        try:
+            yield
+        finally:
+            self._uploads.discard(task)
 
 
 @dataclass
@@ -98,7 +116,7 @@ RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
 
 
-def plain_parameters(request: Request) -> None:
+async def plain_parameters(request: Request) -> None:
     """Path and query values the handlers can trust, on every store alike (422 otherwise):
     none holds NUL (PostgreSQL text cannot hold the character, so it must never reach a
     query), and no query parameter comes twice (each takes one value: the router would
@@ -112,10 +130,10 @@ def plain_parameters(request: Request) -> None:
         for name, value in items
         if "\x00" in str(value)
     ]
-    names = [name for name, _ in request.query_params.multi_items()]
+    counts = Counter(name for name, _ in request.query_params.multi_items())
     errors += [
         {"loc": ("query", name), "msg": "must be sent once", "type": "value_error"}
-        for name in sorted({n for n in names if names.count(n) > 1})
+        for name in sorted(name for name, count in counts.items() if count > 1)
     ]
     if errors:
         raise RequestValidationError(errors)

@@ -19,7 +19,8 @@ class BodySizeLimit:
 
     A body still arriving when shutdown begins is answered 503 shutting_down at once: its
     request has reached nothing yet, and a slow client would otherwise hold the shutdown
-    for all of SHUTDOWN_GRACE_S, to be cut off then."""
+    for all of SHUTDOWN_GRACE_S, to be cut off then. A request whose body has arrived (every
+    GET) is served as before."""
 
     def __init__(self, app: ASGIApp, *, lifecycle: Lifecycle, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
@@ -38,8 +39,16 @@ class BodySizeLimit:
         size = 0
         more = True
         while more:
-            message = await self._receive_unless_draining(receive)
-            if message is None:
+            try:
+                with self.lifecycle.awaiting_body():
+                    message = await receive()
+            except asyncio.CancelledError:
+                if not self.lifecycle.draining:
+                    raise
+                # Shutdown cut the wait (Lifecycle.drain): answer, as cut_off does for a run.
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
                 await self._reject(scope, receive, send, ShuttingDown())
                 return
             if message["type"] == "http.disconnect":
@@ -62,20 +71,6 @@ class BodySizeLimit:
             return await receive()
 
         await self.app(scope, replay, send)
-
-    async def _receive_unless_draining(self, receive: Receive) -> Message | None:
-        """The next message of the request, or None if shutdown begins first."""
-        if self.lifecycle.draining:
-            return None
-        arrived = asyncio.ensure_future(receive())
-        drained = asyncio.ensure_future(self.lifecycle.drained())
-        try:
-            await asyncio.wait((arrived, drained), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drained.cancel()
-            if not arrived.done():
-                arrived.cancel()
-        return arrived.result() if arrived.done() and not arrived.cancelled() else None
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"The request body is over {self.limit} bytes.")

@@ -18,6 +18,7 @@ by its `key` (app/db/models.py), which the write finds from the session's id.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +38,8 @@ from app.db.repositories import message_to_row
 from app.db.session import PG_CONNECTION_ERRORS, Database, InlineTransactor
 from app.domain import Message, RunStatus
 from app.errors import DatabaseUnavailable, SessionConflict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -354,6 +357,7 @@ class PostgresJournalStore:
         except Exception as exc:
             # No connection could be had (refused, the pool exhausted): the pool raises the
             # driver's own error, which no handler of SQLAlchemy's errors knows.
+            log.warning("database unavailable: no connection: %s", type(exc).__name__)
             raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
         try:
             raw = pooled.driver_connection

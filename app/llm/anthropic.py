@@ -101,7 +101,7 @@ class AnthropicLLMClient:
                     tool_choice=tool_choice,
                 )
         except (anthropic.AnthropicError, TimeoutError) as err:
-            error = _to_llm_error(err, self._timeout_s)
+            error = _to_llm_error(err, timeout_s=self._timeout_s)
             # Type and status only: the error text may quote the request, which holds prompts.
             log.warning(
                 "model call failed",
@@ -264,7 +264,7 @@ def _to_blocks(message: Message) -> tuple[_ApiRole, list[_Block]]:
     return "assistant", blocks
 
 
-def _to_llm_error(err: anthropic.AnthropicError | TimeoutError, timeout_s: float) -> LLMError:
+def _to_llm_error(err: anthropic.AnthropicError | TimeoutError, *, timeout_s: float) -> LLMError:
     """Name an SDK failure; `retryable` mirrors the SDK's own retry policy."""
     if isinstance(err, anthropic.APITimeoutError | TimeoutError):
         # Also what a 429 asking to wait longer than the bound ends as: say what the bound is.

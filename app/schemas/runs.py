@@ -22,7 +22,8 @@ class RunCreate(BaseModel):
 
     agent: str = Field(min_length=1, max_length=64)
     # No length limit of its own: the 1 MiB body limit (app/api/limits.py) is the contract's.
-    message: str = Field(min_length=1)
+    # The pattern documents the white-space check below (`_not_blank`) in /openapi.json.
+    message: str = Field(min_length=1, json_schema_extra={"pattern": "\\S"})
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     user_id: str | None = Field(default=None, min_length=1, max_length=128)
     metadata: dict[str, Any] | None = None

@@ -181,7 +181,7 @@ class AgentRunner:
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
         if reused is not None:
             error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")
-            log.warning("model call failed", extra={"error_type": error.type, "retryable": False})
+            log.warning("model answer refused", extra={"error_type": error.type})
             return RunEnd(RunStatus.ERROR, last_text, error.type, error.message)
         return response
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import httpx
+
+from tests.api.conftest import build_app
+from tests.api.helpers import assert_problem, serve
+from tests.support.fake_anthropic import FakeAnthropic
 
 
 async def test_alive_and_ready_on_a_migrated_database(client: httpx.AsyncClient) -> None:
@@ -25,3 +32,21 @@ async def test_head_answers_as_get_without_the_body(client: httpx.AsyncClient) -
     missing = await client.head("/v1/sessions/nobody")
     assert (missing.status_code, missing.content) == (404, b"")
     assert (await client.head("/v1/runs")).status_code == 405  # POST only
+
+
+async def test_while_draining_reads_are_answered_and_new_runs_refused(
+    database_url: str, agents_file: Path, fake_model: FakeAnthropic
+) -> None:
+    # The first version of the shutdown check for bodies still arriving answered every
+    # request 503 once shutdown had begun, reads included.
+    app = build_app(database_url, agents_file, fake_model)
+    async with serve(app) as client:
+        app.state.lifecycle.drain()
+        await asyncio.sleep(0.05)  # the loop runs what drain() scheduled
+
+        for path in ("/healthz", "/v1/agents", "/v1/sessions", "/openapi.json"):
+            assert (await client.get(path)).status_code == 200, path
+        assert_problem(await client.get("/readyz"), 503, "shutting_down")
+        refused = await client.post("/v1/runs", json={"agent": "echo", "message": "hi"})
+        assert_problem(refused, 503, "shutting_down")
+    assert fake_model.requests == []

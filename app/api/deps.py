@@ -43,6 +43,16 @@ class Lifecycle:
         for task in self._uploads:
             task.cancel()
 
+    def cancelled_by_shutdown(self) -> bool:
+        """Called on a CancelledError: whether shutdown caused it (uvicorn's cancel at the end
+        of the grace, or `drain` cutting a wait for a body). If so the cancellation is taken
+        back, so that the request can still be answered a 503 problem."""
+        task = asyncio.current_task()
+        if not self.draining or task is None:
+            return False
+        task.uncancel()
+        return True
+
     @contextmanager
     def awaiting_body(self) -> Iterator[None]:
         """Around a wait for more of the request's body: shutdown cancels it."""
@@ -116,13 +126,18 @@ RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
 
 
+def _invalid(where: str, name: str, msg: str) -> dict[str, object]:
+    """One entry of a 422's `errors`, as FastAPI's own validation writes them."""
+    return {"loc": (where, name), "msg": msg, "type": "value_error"}
+
+
 async def plain_parameters(request: Request) -> None:
     """Path and query values the handlers can trust, on every store alike (422 otherwise):
     none holds NUL (PostgreSQL text cannot hold the character, so it must never reach a
     query), and no query parameter comes twice (each takes one value: the router would
     read the last, a proxy perhaps the first)."""
     errors = [
-        {"loc": (where, name), "msg": "must not contain NUL characters", "type": "value_error"}
+        _invalid(where, name, "must not contain NUL characters")
         for where, items in (
             ("path", request.path_params.items()),
             ("query", request.query_params.multi_items()),
@@ -132,11 +147,17 @@ async def plain_parameters(request: Request) -> None:
     ]
     counts = Counter(name for name, _ in request.query_params.multi_items())
     errors += [
-        {"loc": ("query", name), "msg": "must be sent once", "type": "value_error"}
+        _invalid("query", name, "must be sent once")
         for name in sorted(name for name, count in counts.items() if count > 1)
     ]
     if errors:
         raise RequestValidationError(errors)
+
+
+def one_idempotency_key(request: Request) -> None:
+    """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
+    if len(request.headers.getlist("idempotency-key")) > 1:
+        raise RequestValidationError([_invalid("header", "Idempotency-Key", "must be sent once")])
 
 
 def accepting_runs(services: ServicesDep) -> None:
@@ -150,12 +171,10 @@ def cut_off(lifecycle: Lifecycle) -> ShuttingDown | None:
 
     When SHUTDOWN_GRACE_S is over, uvicorn cancels the requests still running and would
     answer them with its plain-text 500; a cut-off run is a 503 problem instead (the turn
-    resumes as after a crash). The cancellation is then taken back, so the answer is sent.
+    resumes as after a crash).
     """
-    task = asyncio.current_task()
-    if not lifecycle.draining or task is None:
+    if not lifecycle.cancelled_by_shutdown():
         return None
-    task.uncancel()
     return ShuttingDown(
         "This replica shut down before the run finished. Resubmit the same session_id (and"
         " Idempotency-Key) to resume it: every step it finished is stored."

@@ -43,12 +43,8 @@ class BodySizeLimit:
                 with self.lifecycle.awaiting_body():
                     message = await receive()
             except asyncio.CancelledError:
-                if not self.lifecycle.draining:
+                if not self.lifecycle.cancelled_by_shutdown():
                     raise
-                # Shutdown cut the wait (Lifecycle.drain): answer, as cut_off does for a run.
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()
                 await self._reject(scope, receive, send, ShuttingDown())
                 return
             if message["type"] == "http.disconnect":

@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Depends, Header, Query, Response
 from pydantic import WithJsonSchema
 
-from app.api.deps import RunServiceDep, ServicesDep, TenantDep, accepting_runs, cut_off
+from app.api.deps import (
+    RunServiceDep,
+    ServicesDep,
+    TenantDep,
+    accepting_runs,
+    cut_off,
+    one_idempotency_key,
+)
 from app.api.problems import responses
 from app.schemas.runs import RunCreate, RunRead
 
@@ -43,15 +49,6 @@ RUN_LINKS = {
         )
     },
 }
-
-
-def one_idempotency_key(request: Request) -> None:
-    """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
-    if len(request.headers.getlist("idempotency-key")) > 1:
-        loc = ("header", "Idempotency-Key")
-        raise RequestValidationError(
-            [{"loc": loc, "msg": "must be sent once", "type": "value_error"}]
-        )
 
 
 @router.post(

@@ -85,8 +85,7 @@ class AnthropicLLMClient:
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Send one Messages API request and map the answer back to our types."""
-        messages = to_api_messages(request.messages)
-        tools, tool_choice = _tools(request, messages)
+        tools, tool_choice = _tools(request)
         try:
             # The SDK bounds each attempt, and sleeps as long as a 429's Retry-After says
             # between them; the call as a whole, retries included, gets the same bound.
@@ -94,7 +93,7 @@ class AnthropicLLMClient:
                 message = await self._client.messages.create(
                     model=request.model,
                     max_tokens=request.max_tokens,
-                    messages=messages,
+                    messages=to_api_messages(request.messages),
                     # The API refuses a system prompt of white space only.
                     system=request.system if request.system and request.system.strip() else omit,
                     tools=tools if tools else omit,
@@ -120,33 +119,22 @@ class AnthropicLLMClient:
         await self._client.close()
 
 
-def _tools(
-    request: ModelRequest, messages: list[MessageParam]
-) -> tuple[list[ToolParam], ToolChoiceNoneParam | Omit]:
+def _tools(request: ModelRequest) -> tuple[list[ToolParam], ToolChoiceNoneParam | Omit]:
     """The request's `tools` and `tool_choice`.
 
     The API refuses a request whose history holds tool_use or tool_result blocks and that
     defines no tools: an agent whose tools were all taken away in the agents file could then
     never continue its sessions. It gets a stand-in for each tool its history names, and
-    `tool_choice: none`, so the model can read its history and call nothing."""
+    `tool_choice: none`, so the model can read its history and call nothing. (A history
+    without calls has no results either: a call is stored before its result.)"""
     if request.tools:
         tools: list[ToolParam] = [
             {"name": t.name, "description": t.description, "input_schema": t.input_schema}
             for t in request.tools
         ]
         return tools, omit
-    names = {
-        block["name"]: None
-        for message in messages
-        if message["role"] == "assistant"
-        for block in message["content"]
-        if isinstance(block, dict) and block["type"] == "tool_use"
-    }
-    if not names and not any(
-        isinstance(block, dict) and block["type"] == "tool_result"
-        for message in messages
-        for block in message["content"]
-    ):
+    names = dict.fromkeys(call.name for m in request.messages for call in m.tool_calls)
+    if not names:
         return [], omit
     stand_ins: list[ToolParam] = [
         {"name": name, "description": _GONE_TOOL, "input_schema": {"type": "object"}}

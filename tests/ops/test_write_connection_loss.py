@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,20 +21,6 @@ from tests.support.tool_server import ToolServer
 TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
 KEY = {"Idempotency-Key": "turn-1"}
 ECHO = {"agent": "echo", "message": "hello"}
-
-
-def _admin(database_url: str, statement: str) -> None:
-    """Run one statement on the test server's admin database (it may change this one)."""
-
-    async def go() -> None:
-        url = make_url(database_url).set(drivername="postgresql", database="postgres")
-        conn = await asyncpg.connect(url.render_as_string(hide_password=False))
-        try:
-            await conn.execute(statement)
-        finally:
-            await conn.close()
-
-    asyncio.run(go())
 
 
 def _terminate_pooled_connections(database_url: str) -> int:
@@ -100,7 +87,10 @@ def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
 def test_a_write_that_cannot_connect_at_all_answers_503(
-    database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+    database_url: str,
+    tool_server: ToolServer,
+    agents_server: AgentsServer,
+    pg_admin: Callable[..., None],
 ) -> None:
     # The database refuses new connections (a role that may no longer log in, a database
     # being dropped, too many clients) while a run's tool is in flight: the driver's own
@@ -111,7 +101,7 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
             wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
-            _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
             assert _terminate_pooled_connections(database_url) >= 1
             # A read meets a dead connection: the pool is then renewed, so write #2 must
             # open a connection, which the database refuses.
@@ -121,11 +111,11 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
             assert refused.status_code == 503, refused.text
             assert refused.json()["code"] == "database_unavailable"
 
-            _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+            pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
             resumed = client.post("/v1/runs", json=TURN, headers=KEY)
             assert resumed.status_code == 200, resumed.text
             assert resumed.json()["status"] == "complete"
         assert tool_server.count("slow_post") == 1
     finally:
         server.kill()
-        _admin(database_url, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')

@@ -15,7 +15,7 @@ from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_writes
-from app.db.journal_store import JournalStore, PostgresJournalStore
+from app.db.journal import JournalStore, PostgresJournalStore
 from app.db.session import Database, InlineTransactor
 from app.services.ownership import Ownership
 

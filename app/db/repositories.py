@@ -1,6 +1,6 @@
 """Repositories: add, flush and select inside the caller's transaction; they never commit.
 
-The hot path, the runner's per-step writes, is not here but in app/db/journal_store.py.
+The hot path, the runner's per-step writes, is not here but in app/db/journal/.
 """
 
 from __future__ import annotations

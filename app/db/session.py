@@ -143,7 +143,7 @@ class Transactor(Protocol):
     through `Database.writes`: `body` gets a Connection inside BEGIN … COMMIT (rolled back if
     it raises). On SQLite that keeps every write of the process on one path, which is what
     lets reads never take the write lock (see InlineTransactor); the journal's own writes
-    are in app/db/journal_store.py."""
+    are in app/db/journal/."""
 
     @property
     def engine(self) -> Engine:
@@ -274,7 +274,7 @@ def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
 class Database:
     """An engine, its sessionmaker for reads, its way of writing and what kind of store it is.
 
-    `reads` only ever reads: the journal's writes go through app/db/journal_store.py and
+    `reads` only ever reads: the journal's writes go through app/db/journal/ and
     every other write through `writes`."""
 
     engine: AsyncEngine

@@ -1,7 +1,7 @@
 """The durable writes of a turn (CONTRACT §2), each one short transaction.
 
 The journal decides what each write holds (the turn's user message on its first write, the
-run's progress, the session row of a new session); app/db/journal_store.py carries it out,
+run's progress, the session row of a new session); app/db/journal/ carries it out,
 fenced and compare-and-set on the session's message count, so a runner that lost the
 session writes nothing (SessionConflict).
 """
@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from app.db.base import utcnow
-from app.db.journal_store import JournalStore, JournalWrite
+from app.db.journal import JournalStore, JournalWrite
 from app.domain import Message, RunStatus, Usage
 from app.failpoints import Failpoints
 from app.metrics import Metrics

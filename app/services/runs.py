@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app import logs
 from app.db import models
-from app.db.journal_store import journal_store
+from app.db.journal import journal_store
 from app.db.repositories import (
     MessageRepository,
     RunRepository,

@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from app.db import models
-from app.db.journal_store import journal_store
+from app.db.journal import journal_store
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error

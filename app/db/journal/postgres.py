@@ -1,0 +1,194 @@
+"""PostgreSQL: each durable write ONE statement (data-modifying CTEs) in autocommit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from app.db.journal.sql import (
+    JSON_COLUMNS,
+    MESSAGE_COLUMNS,
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    claim_sql,
+    interrupted_sql,
+    run_update_sql,
+)
+from app.db.journal.write import JournalWrite
+from app.db.repositories import message_to_row
+from app.db.session import PG_CONNECTION_ERRORS
+from app.errors import DatabaseUnavailable, SessionConflict
+
+log = logging.getLogger(__name__)
+
+
+_NAMED = re.compile(r"(?<![:\w]):(\w+)")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a write does, which decides its SQL text (one prepared statement per shape)."""
+
+    create: bool
+    touch: bool
+    messages: bool
+    new_run: bool
+    run_columns: tuple[str, ...]
+    interrupted: bool
+
+
+@dataclass(frozen=True)
+class _Statement:
+    sql: str
+    names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, named_sql: str) -> _Statement:
+        """`:name` parameters turned into asyncpg's `$n`, in order of first use."""
+        names: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in names:
+                names.append(name)
+            return f"${names.index(name) + 1}"
+
+        return cls(_NAMED.sub(number, named_sql), tuple(names))
+
+    def args(self, params: dict[str, Any]) -> list[Any]:
+        return [params[name] for name in self.names]
+
+
+@dataclass
+class PostgresJournalStore:
+    """Each write one statement: claim the seqs (or create the session) under the fence, then
+    insert the messages and the run and update runs, all conditioned on the claim."""
+
+    engine: AsyncEngine
+    fence_sql: str
+    observers: list[Callable[[int], None]] = field(default_factory=list)
+    _statements: dict[_Shape, _Statement] = field(default_factory=dict)
+
+    async def write(self, write: JournalWrite) -> None:
+        shape = _Shape(
+            create=write.new_session is not None,
+            touch=write.touch,
+            messages=bool(write.messages),
+            new_run=write.new_run is not None,
+            run_columns=tuple(sorted(write.run_values or ())),
+            interrupted=bool(write.interrupted),
+        )
+        statement = self._statements.get(shape)
+        if statement is None:
+            statement = self._statements[shape] = _Statement.of(self._sql(shape))
+        try:
+            claimed = await self.fetchval(
+                statement.sql, statement.args(self._params(write)), write.before_commit
+            )
+        except asyncpg.UniqueViolationError as exc:  # another writer stored these keys first
+            raise SessionConflict(write.session_id) from exc
+        if claimed != 1:
+            raise SessionConflict(write.session_id)
+
+    async def fetchval(
+        self, sql: str, args: Sequence[Any], before_commit: Callable[[], None] | None = None
+    ) -> Any:
+        """One statement in its own transaction on a pooled connection's driver: one round
+        trip (two more, BEGIN and COMMIT, only when `before_commit` must run in between).
+
+        The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
+        SQLAlchemy would do on failure is done here: a connection that failed other than by
+        a statement error is invalidated, and on a lost connection the whole pool with it."""
+        try:
+            pooled = await self.engine.raw_connection()
+        except Exception as exc:
+            # No connection could be had (refused, the pool exhausted): the pool raises the
+            # driver's own error, which no handler of SQLAlchemy's errors knows.
+            log.warning("database unavailable: no connection: %s", type(exc).__name__)
+            raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
+        try:
+            raw = pooled.driver_connection
+            assert raw is not None
+            if before_commit is None:
+                value = await raw.fetchval(sql, *args)
+            else:
+                async with raw.transaction():
+                    value = await raw.fetchval(sql, *args)
+                    before_commit()
+        except BaseException as exc:
+            if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
+                await greenlet_spawn(pooled.close)  # the statement failed, not the connection
+                raise
+            await greenlet_spawn(pooled.invalidate, exc)
+            if isinstance(exc, PG_CONNECTION_ERRORS):
+                # As SQLAlchemy does on a disconnect: the pool's other connections are as old
+                # as this one, so none is reused.
+                await self.engine.dispose()
+                raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
+            raise
+        # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
+        # adapter can only do inside greenlet_spawn.
+        await greenlet_spawn(pooled.close)
+        for observer in self.observers:
+            observer(1)
+        return value
+
+    def _sql(self, shape: _Shape) -> str:
+        claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)
+        ctes = [f"claim AS ({claim} RETURNING key)"]
+        if shape.messages:
+            columns = ", ".join(MESSAGE_COLUMNS)
+            typed = ", ".join(f"{c} {t}" for c, t in MESSAGE_COLUMNS.items())
+            ctes.append(
+                f"messages AS (INSERT INTO message (session_key, {columns}, created_at)"
+                f" SELECT claim.key, {', '.join(f'm.{c}' for c in MESSAGE_COLUMNS)}, :now"
+                f" FROM claim, json_to_recordset(CAST(:messages AS json)) AS m({typed}))"
+            )
+        if shape.new_run:
+            columns = ", ".join(RUN_COLUMNS)
+            values = ", ".join(f"CAST(:r_{c} AS {t})" for c, t in RUN_COLUMNS.items())
+            ctes.append(f"new_run AS (INSERT INTO run ({columns}) SELECT {values} FROM claim)")
+        claimed = "EXISTS (SELECT 1 FROM claim)"
+        if shape.run_columns:
+            update = run_update_sql(shape.run_columns, f"id = :run_id AND {claimed}")
+            ctes.append(f"run_update AS ({update})")
+        if shape.interrupted:
+            update = interrupted_sql(f"id = ANY(CAST(:interrupted AS text[])) AND {claimed}")
+            ctes.append(f"interrupted AS ({update})")
+        return f"WITH {', '.join(ctes)} SELECT count(*) FROM claim"
+
+    @staticmethod
+    def _params(write: JournalWrite) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "session_id": write.session_id,
+            "run_id": write.run_id,
+            "expected": write.expected,
+            "new_count": write.new_count,
+            "now": write.now,
+            "interrupted": list(write.interrupted),
+            **write.fence,
+        }
+        if write.new_session is not None:
+            params.update({f"s_{c}": _value(c, write.new_session[c]) for c in SESSION_COLUMNS})
+        if write.new_run is not None:
+            params.update({f"r_{c}": _value(c, write.new_run[c]) for c in RUN_COLUMNS})
+        for column, value in (write.run_values or {}).items():
+            params[f"u_{column}"] = _value(column, value)
+        if write.messages:
+            rows = [message_to_row(m, now=write.now) for m in write.messages]
+            params["messages"] = json.dumps([{c: row[c] for c in MESSAGE_COLUMNS} for row in rows])
+        return params
+
+
+def _value(column: str, value: Any) -> Any:
+    if column in JSON_COLUMNS and value is not None:
+        return json.dumps(value)
+    return value

@@ -1,0 +1,91 @@
+"""The SQL both stores' writes are made of: the columns a write inserts, and the claim
+under the ownership fence that every write starts with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import String
+from sqlalchemy.dialects import postgresql
+
+from app.db import models
+from app.db.base import Base
+from app.domain import RunStatus
+
+_PG = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+
+def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:
+    """Columns of the model and the PostgreSQL types their parameters are cast to (an INSERT
+    … SELECT must spell them out). Strings go as text: the column's own length limit then
+    refuses a value too long, where a cast to varchar(n) would cut it."""
+    columns = model.__table__.columns
+    return {
+        name: "text" if isinstance(columns[name].type, String) else columns[name].type.compile(_PG)
+        for name in names
+    }
+
+
+# The columns each write inserts (a session's `key` is the database's to number).
+SESSION_COLUMNS = _typed(
+    models.Session, (c.name for c in models.Session.__table__.columns if c.name != "key")
+)
+RUN_COLUMNS = _typed(
+    models.Run,
+    (
+        "id",
+        "session_id",
+        "agent",
+        "user_id",
+        "status",
+        "metadata",
+        "idempotency_key",
+        "request_fingerprint",
+        "created_at",
+        "iterations",
+        "input_tokens",
+        "output_tokens",
+    ),
+)
+MESSAGE_COLUMNS = _typed(
+    models.Message,
+    (
+        c.name
+        for c in models.Message.__table__.columns
+        if c.name not in ("session_key", "created_at")
+    ),
+)
+JSON_COLUMNS = frozenset(
+    name
+    for table in (SESSION_COLUMNS, RUN_COLUMNS, MESSAGE_COLUMNS)
+    for name, type_ in table.items()
+    if type_ == "JSON"
+)
+
+
+def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
+    """The claim every write starts with: create the session, or advance its message count
+    from `:expected` to `:new_count` — only while the fence holds. `types` casts the
+    parameters of a created session to their column types."""
+    if create:
+        values = ", ".join(
+            f"CAST(:s_{c} AS {t})" if types else f":s_{c}" for c, t in SESSION_COLUMNS.items()
+        )
+        return (
+            f"INSERT INTO session ({', '.join(SESSION_COLUMNS)}) SELECT {values} WHERE {fence_sql}"
+        )
+    return (
+        f"UPDATE session SET message_count = :new_count{', updated_at = :now' if touch else ''}"
+        f" WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
+    )
+
+
+def run_update_sql(columns: Iterable[str], where: str) -> str:
+    """Set these run columns from `:u_<column>` parameters."""
+    return f"UPDATE run SET {', '.join(f'{c} = :u_{c}' for c in columns)} WHERE {where}"
+
+
+def interrupted_sql(where: str) -> str:
+    return (
+        f"UPDATE run SET status = '{RunStatus.INTERRUPTED.value}', finished_at = :now WHERE {where}"
+    )

@@ -1,0 +1,48 @@
+"""What a durable write is (`JournalWrite`) and what carries it out (`JournalStore`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from app.domain import Message
+
+
+@dataclass
+class JournalWrite:
+    """One durable write: messages appended after `expected`, and the run rows it touches.
+
+    `messages` have their `seq` set. `new_session` (the row's values) creates the session
+    instead of advancing it; `new_run` inserts the turn's run, `run_values` updates it;
+    `interrupted` marks other runs of the session `interrupted`. `touch` moves the session's
+    `updated_at` (start and end of a turn only: it is indexed). `before_commit` runs after
+    every row is sent and before the commit (the `in-write-2` failpoint).
+    """
+
+    session_id: str
+    run_id: str
+    expected: int
+    now: datetime
+    fence: dict[str, Any]
+    messages: Sequence[Message] = ()
+    touch: bool = False
+    new_session: dict[str, Any] | None = None
+    new_run: dict[str, Any] | None = None
+    run_values: dict[str, Any] | None = None
+    interrupted: Sequence[str] = ()
+    before_commit: Callable[[], None] | None = None
+
+    @property
+    def new_count(self) -> int:
+        return self.expected + len(self.messages)
+
+
+class JournalStore(Protocol):
+    # Called after each commit with the number of statements it held (the bench counts).
+    observers: list[Callable[[int], None]]
+
+    async def write(self, write: JournalWrite) -> None:
+        """Commit the write, or raise SessionConflict having written nothing."""
+        ...

@@ -262,42 +262,65 @@ def _session_rows(sessions: Sessions) -> list[str]:
 
 def render(report: Report) -> str:
     """The report as a plain-text table."""
-    s, m = report.scenario, report.machine
-    service = report.service
     lines = [
+        *_header_rows(report),
+        "",
+        "service layer (RunService.create, no HTTP)",
+        *_session_rows(report.service.sessions),
+    ]
+    if report.http is not None:
+        lines += ["", *_http_rows(report.http)]
+    lines += [
+        "",
+        *_database_rows(report.service),
+        "",
+        *_throughput_rows(report.service.throughput),
+        "",
+        *_long_session_rows(report.service.long_session),
+        "",
+        _row("peak RSS of the bench process, MB", f"{report.peak_rss_mb:.1f}"),
+        _row(
+            "post_slack calls, each exactly once",
+            "yes" if report.side_effects["exactly_once"] else "NO",
+            f"({report.side_effects['counted']} counted, {report.side_effects['expected']}"
+            " expected)",
+        ),
+        "",
+        "targets",
+        *_target_rows(report.targets),
+    ]
+    return "\n".join(lines)
+
+
+def _header_rows(report: Report) -> list[str]:
+    s, m = report.scenario, report.machine
+    return [
         "agent-runner bench: the standard scenario",
         f"  {s['steps']} steps x (200-char text + get_issue + post_slack), 200-char user message"
         f" and final answer: {s['messages_per_session']} messages per session",
         f"  {s['sessions']} sessions timed after {s['warmup']} warm-up; medians unless said",
         f"  machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}",
         f"  database: {m['database']} {m['database_version']} ({m['database_url']})",
-        "",
-        "service layer (RunService.create, no HTTP)",
-        *_session_rows(service.sessions),
     ]
-    if report.http is not None:
-        http = report.http
-        rss = f"{http.server_peak_rss_mb:.1f}" if http.server_peak_rss_mb else "n/a"
-        lines += [
-            "",
-            "HTTP (agent-runner serve, anthropic SDK, local fake model, HTTP tools)",
-            *_session_rows(http.sessions),
-            _row(
-                "model call as the server times it, ms",
-                f"{http.model_call_ms_stateless:.2f} / {http.model_call_ms_durable:.2f}",
-                "(stateless / durable sessions; it touches no database)",
-            ),
-            _row("server peak RSS, MB", rss),
-        ]
-    txns, rate, long, floor = (
-        service.transactions,
-        service.throughput,
-        service.long_session,
-        service.commit_floor,
-    )
-    window = min(10, long.steps)
-    lines += [
-        "",
+
+
+def _http_rows(http: HttpFigures) -> list[str]:
+    rss = f"{http.server_peak_rss_mb:.1f}" if http.server_peak_rss_mb else "n/a"
+    return [
+        "HTTP (agent-runner serve, anthropic SDK, local fake model, HTTP tools)",
+        *_session_rows(http.sessions),
+        _row(
+            "model call as the server times it, ms",
+            f"{http.model_call_ms_stateless:.2f} / {http.model_call_ms_durable:.2f}",
+            "(stateless / durable sessions; it touches no database)",
+        ),
+        _row("server peak RSS, MB", rss),
+    ]
+
+
+def _database_rows(service: ServiceFigures) -> list[str]:
+    txns, floor = service.transactions, service.commit_floor
+    return [
         "database",
         _row(
             "transactions per durable session",
@@ -312,14 +335,23 @@ def render(report: Report) -> str:
         ),
         _stats_rows(f"commit floor: {floor.transactions} INSERT+COMMIT, ms", floor.ms),
         _row("durable overhead per session / floor", f"{floor.ratio:.2f}"),
-        "",
+    ]
+
+
+def _throughput_rows(rate: Throughput) -> list[str]:
+    return [
         f"throughput: {rate.concurrency} concurrent durable sessions",
         _row(
             "sessions per second",
             f"{rate.sessions_per_s:.1f}",
             f"({rate.sessions} sessions in {rate.seconds:.2f} s)",
         ),
-        "",
+    ]
+
+
+def _long_session_rows(long: LongSession) -> list[str]:
+    window = min(10, long.steps)
+    return [
         f"long session: {long.steps} steps (service time between model calls)",
         _row(f"ms per step, first {window} steps", f"{long.early_ms_per_step:.3f}"),
         _row(f"ms per step, last {window} steps", f"{long.late_ms_per_step:.3f}"),
@@ -329,20 +361,12 @@ def render(report: Report) -> str:
             f"{long.bytes_stored:,}",
             f"({long.bytes_per_step:.0f} per step, {long.messages} messages)",
         ),
-        "",
-        _row("peak RSS of the bench process, MB", f"{report.peak_rss_mb:.1f}"),
-        _row(
-            "post_slack calls, each exactly once",
-            "yes" if report.side_effects["exactly_once"] else "NO",
-            f"({report.side_effects['counted']} counted, {report.side_effects['expected']}"
-            " expected)",
-        ),
-        "",
-        "targets",
     ]
-    for target in report.targets:
-        verdict = {True: "met", False: "MISSED", None: "n/a"}[target.met]
-        lines.append(
-            f"  {target.name:<40} {target.measured:>32}   target {target.target:<22} {verdict}"
-        )
-    return "\n".join(lines)
+
+
+def _target_rows(targets: list[Target]) -> list[str]:
+    verdicts = {True: "met", False: "MISSED", None: "n/a"}
+    return [
+        f"  {t.name:<40} {t.measured:>32}   target {t.target:<22} {verdicts[t.met]}"
+        for t in targets
+    ]

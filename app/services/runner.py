@@ -50,6 +50,36 @@ def _truncated_call(agent: AgentConfig) -> str:
     )
 
 
+@dataclass
+class _Limits:
+    """The stop rules checked after each step: tools stuck failing, and the token budget
+    (a note joins the system prompt at BUDGET_WARN, the run stops at BUDGET_STOP)."""
+
+    agent: AgentConfig
+    system: str | None
+    failed_steps: int = 0
+    warned: bool = False
+
+    def after_step(self, turn: Turn, results: Sequence[Message]) -> RunStatus | None:
+        """The status the run stops with after these results, or None to go on."""
+        self.failed_steps = self.failed_steps + 1 if all(m.is_error for m in results) else 0
+        if self.failed_steps >= self.agent.stuck_threshold:
+            return RunStatus.STUCK
+        if self.agent.token_budget is None:
+            return None
+        used = turn.usage.total / self.agent.token_budget
+        if used >= BUDGET_STOP:
+            return RunStatus.TOKEN_BUDGET_EXHAUSTED
+        if used >= BUDGET_WARN and not self.warned:
+            self.warned = True
+            self.system = f"{self.system}\n\n{BUDGET_NOTE}" if self.system else BUDGET_NOTE
+            log.warning(
+                "run used 80% of its token budget",
+                extra={"run_id": turn.run_id, "tokens": turn.usage.total},
+            )
+        return None
+
+
 class AgentRunner:
     """Runs one turn of an agent over a history, writing through a Journal."""
 
@@ -110,16 +140,14 @@ class AgentRunner:
             turn.messages.append(turn.user_message)
         tools = [t.spec for t in self._registry.tools_for(agent)]
         call_ids = {call.id for message in messages for call in message.tool_calls}
-        system = agent.system
-        steps_without_success = 0
-        warned = False
+        limits = _Limits(agent, system=agent.system)
         last_text: str | None = None
         while True:
             if turn.iterations >= agent.max_iterations:
                 end = RunEnd(RunStatus.MAX_ITERATIONS, last_text)
                 break
             turn.iterations += 1
-            request = ModelRequest(agent.model, system, messages, tools, agent.max_tokens)
+            request = ModelRequest(agent.model, limits.system, messages, tools, agent.max_tokens)
             response = await self._ask(turn, agent, request, last_text, call_ids)
             if isinstance(response, RunEnd):
                 end = response
@@ -131,25 +159,10 @@ class AgentRunner:
                 return RunOutcome(RunEnd(RunStatus.COMPLETE, last_text), turn)
             await self._step(turn, journal, agent, assistant, response, messages)
             call_ids.update(call.id for call in response.tool_calls)
-            if all(m.is_error for m in messages[-len(response.tool_calls) :]):
-                steps_without_success += 1
-            else:
-                steps_without_success = 0
-            if steps_without_success >= agent.stuck_threshold:
-                end = RunEnd(RunStatus.STUCK, last_text)
+            stop = limits.after_step(turn, messages[-len(response.tool_calls) :])
+            if stop is not None:
+                end = RunEnd(stop, last_text)
                 break
-            if agent.token_budget is not None:
-                used = turn.usage.total / agent.token_budget
-                if used >= BUDGET_STOP:
-                    end = RunEnd(RunStatus.TOKEN_BUDGET_EXHAUSTED, last_text)
-                    break
-                if used >= BUDGET_WARN and not warned:
-                    warned = True
-                    system = f"{system}\n\n{BUDGET_NOTE}" if system else BUDGET_NOTE
-                    log.warning(
-                        "run used 80% of its token budget",
-                        extra={"run_id": turn.run_id, "tokens": turn.usage.total},
-                    )
         await self._finish(turn, journal, None, end)
         return RunOutcome(end, turn)
 

@@ -101,6 +101,27 @@ def shown_url(database_url: str) -> str:
     return url.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
+def _pool_options(url: str, pool_size: int) -> dict[str, Any]:
+    """The engine's pool settings: PostgreSQL's; SQLite keeps SQLAlchemy's defaults."""
+    if not url.startswith("postgresql"):
+        return {}
+    return {
+        "pool_size": pool_size,
+        "max_overflow": pool_size,
+        # No pre-ping: it costs a round trip per transaction, i.e. per durable write.
+        # After an outage the first use of a dead connection fails (503) and makes
+        # the pool replace every connection older than that failure.
+        # Fail fast, never hang, when the database is gone: the API answers 503.
+        "pool_timeout": 10,
+        "connect_args": {
+            "timeout": 5,
+            "command_timeout": 30,
+            # A stalled runner's open transaction must not block its successor for long.
+            "server_settings": {"idle_in_transaction_session_timeout": "5000"},
+        },
+    }
+
+
 def _scratch_dir() -> Path:
     """memory:// is not durable: a private SQLite file in memory-backed /dev/shm where there is
     one, removed on dispose. Same engine code as the SQLite store, none of its promises (a
@@ -296,29 +317,16 @@ class Database:
             scratch = _scratch_dir()
             database_url = f"sqlite:///{scratch / 'memory.db'}"
         url = async_url(database_url)
-        kwargs: dict[str, Any] = {}
-        if url.startswith("postgresql"):
-            kwargs = {
-                "pool_size": pool_size,
-                "max_overflow": pool_size,
-                # No pre-ping: it costs a round trip per transaction, i.e. per durable write.
-                # After an outage the first use of a dead connection fails (503) and makes
-                # the pool replace every connection older than that failure.
-                # Fail fast, never hang, when the database is gone: the API answers 503.
-                "pool_timeout": 10,
-                "connect_args": {
-                    "timeout": 5,
-                    "command_timeout": 30,
-                    # A stalled runner's open transaction must not block its successor for long.
-                    "server_settings": {"idle_in_transaction_session_timeout": "5000"},
-                },
-            }
         # An error's text must not quote statement parameters: they hold message contents.
-        engine = create_async_engine(url, hide_parameters=True, **kwargs)
+        engine = create_async_engine(url, hide_parameters=True, **_pool_options(url, pool_size))
         writer: Transactor = AsyncTransactor(engine)
+        reads = engine
         if engine.dialect.name == "postgresql":
             _configure_postgres(engine.sync_engine)
-        if engine.dialect.name == "sqlite":
+            # Reads in autocommit: at READ COMMITTED every statement takes its own snapshot
+            # anyway, so BEGIN and COMMIT would only add two round trips to each read.
+            reads = engine.execution_options(isolation_level="AUTOCOMMIT")
+        else:
             # Reads only: every write goes through `writes`, so a read never takes the write
             # lock and never makes the loop-thread writer wait (see InlineTransactor).
             _configure_sqlite(
@@ -326,11 +334,6 @@ class Database:
             )
             writer = inline = InlineTransactor(database_url)
             await inline.open()
-        reads = engine
-        if engine.dialect.name == "postgresql":
-            # Reads in autocommit: at READ COMMITTED every statement takes its own snapshot
-            # anyway, so BEGIN and COMMIT would only add two round trips to each read.
-            reads = engine.execution_options(isolation_level="AUTOCOMMIT")
         db = cls(
             engine,
             async_sessionmaker(reads, expire_on_commit=False),

@@ -179,19 +179,7 @@ def read_answer(message: Any) -> ModelResponse:
                 raise _NotAMessage("a text block without text")
             texts.append(storable(text))
         elif kind == "tool_use":
-            call_id, name = getattr(block, "id", None), getattr(block, "name", None)
-            arguments = getattr(block, "input", None)
-            if not isinstance(call_id, str) or not isinstance(name, str):
-                raise _NotAMessage("a tool_use block without a string id and name")
-            # Stored and sent back with the history: an id or name the API refuses there
-            # would fail every later turn of the session.
-            if not _TOOL_USE_ID.fullmatch(call_id):
-                raise _NotAMessage(f"tool_use id {call_id[:64]!r} is not of A-Z a-z 0-9 _ -")
-            if not _TOOL_NAME.fullmatch(name):
-                raise _NotAMessage(f"tool_use name {name[:64]!r} is not 1-128 of A-Z a-z 0-9 _ -")
-            if not isinstance(arguments, dict):
-                raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
-            call = ToolCall(call_id, name, storable(arguments))
+            call = _read_tool_use(block)
             if call.id in ids:
                 raise _NotAMessage(f"tool_use id {call.id!r} is used twice in the answer")
             ids.add(call.id)
@@ -204,6 +192,22 @@ def read_answer(message: Any) -> ModelResponse:
         usage=Usage(*tokens),  # type: ignore[arg-type]  # checked above: two ints
         stop_reason=getattr(message, "stop_reason", None),
     )
+
+
+def _read_tool_use(block: Any) -> ToolCall:
+    """A tool_use block as a call, or _NotAMessage: its id and name are stored and sent back
+    with the history, so one the API refuses there would fail every later turn."""
+    call_id, name = getattr(block, "id", None), getattr(block, "name", None)
+    arguments = getattr(block, "input", None)
+    if not isinstance(call_id, str) or not isinstance(name, str):
+        raise _NotAMessage("a tool_use block without a string id and name")
+    if not _TOOL_USE_ID.fullmatch(call_id):
+        raise _NotAMessage(f"tool_use id {call_id[:64]!r} is not of A-Z a-z 0-9 _ -")
+    if not _TOOL_NAME.fullmatch(name):
+        raise _NotAMessage(f"tool_use name {name[:64]!r} is not 1-128 of A-Z a-z 0-9 _ -")
+    if not isinstance(arguments, dict):
+        raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
+    return ToolCall(call_id, name, storable(arguments))
 
 
 def to_api_messages(history: list[Message]) -> list[MessageParam]:

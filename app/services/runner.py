@@ -101,7 +101,7 @@ class AgentRunner:
         results: list[Message] = []
         outcomes: list[str] = []
         for call in orphans:
-            result = await self._reinvoke(turn, call, agent)
+            result = await self._reinvoke(turn, journal, call, agent)
             message = Message.tool(result)
             message.run_id = history[index].run_id
             results.append(message)
@@ -119,11 +119,19 @@ class AgentRunner:
             )
         return results
 
-    async def _reinvoke(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
+    async def _reinvoke(
+        self, turn: Turn, journal: Journal, call: ToolCall, agent: AgentConfig
+    ) -> ToolResult:
         tool = self._registry.tool(call.name)
         if tool is None or not tool.safe_to_retry or call.name not in agent.tools:
             return durability_error(call.name, call.id)
-        return await self._registry.execute(call, self._context(turn, call), allowed=agent.tools)
+        # As before any dispatch: a runner that lost the session (paused, then taken over)
+        # runs nothing more of it, even a tool that may run twice.
+        await journal.check_owned(turn)
+        with logs.bound(tool_call_id=call.id):
+            return await self._registry.execute(
+                call, self._context(turn, call), allowed=agent.tools
+            )
 
     async def run(
         self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig

@@ -842,6 +842,22 @@ async def test_a_repair_is_counted_and_logged_only_once_stored(
     }
 
 
+async def test_a_runner_that_lost_the_session_reinvokes_nothing_in_a_repair(
+    registry: ToolRegistry, probe: Probe
+) -> None:
+    history = orphaned_step(call("toolu_a", "lookup", id="A-1"), call("toolu_b", "charge"))
+    journal = LosingJournal(owned=0)
+    metrics = Metrics()
+    runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics)
+
+    with pytest.raises(SessionConflict):
+        await runner.repair(new_turn(), journal, history, registry.agent("main"))
+    assert probe.calls == []  # even the safe_to_retry lookup did not run again
+    assert journal.checks == [0]
+    assert journal.records == []
+    assert counted_tool_calls(metrics) == {}
+
+
 def assert_durability_error(message: Message, tool_name: str, tool_call_id: str) -> None:
     assert message.role is Role.TOOL
     assert message.is_error

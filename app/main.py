@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
@@ -69,33 +69,31 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        db = await Database.connect(settings.database_url, pool_size=settings.database_pool_size)
-        model = llm or ModelRouter.from_settings(
-            max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
-        )
-        ownership = build_ownership(db, settings)
-        try:
+        # Each resource is closed, in reverse order, once it exists: at shutdown, and when a
+        # later step of the start fails.
+        async with AsyncExitStack() as resources:
+            db = await Database.connect(
+                settings.database_url, pool_size=settings.database_pool_size
+            )
+            resources.push_async_callback(db.dispose)
+            resources.push_async_callback(registry.aclose)
+            model = llm or ModelRouter.from_settings(
+                max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
+            )
+            resources.push_async_callback(model.aclose)
+            ownership = build_ownership(db, settings)
             await ownership.start()
-        except BaseException:
-            await db.dispose()
-            raise
-        runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
-        runs_service = RunService(db, registry, runner, failpoints, ownership, metrics)
-        app.state.services = Services(
-            registry=registry,
-            runs=runs_service,
-            sessions=SessionService(db, ownership, metrics),
-            health=HealthService(db, ownership, head_revision() if db.durable else None),
-            metrics=metrics,
-            lifecycle=lifecycle,
-        )
-        try:
+            resources.push_async_callback(ownership.stop)
+            runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
+            app.state.services = Services(
+                registry=registry,
+                runs=RunService(db, registry, runner, failpoints, ownership, metrics),
+                sessions=SessionService(db, ownership, metrics),
+                health=HealthService(db, ownership, head_revision() if db.durable else None),
+                metrics=metrics,
+                lifecycle=lifecycle,
+            )
             yield
-        finally:
-            await ownership.stop()
-            await model.aclose()
-            await registry.aclose()
-            await db.dispose()
 
     app = _api(lifespan, api_keys, lifecycle)
     app.state.lifecycle = lifecycle

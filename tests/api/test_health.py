@@ -6,7 +6,12 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 
+from app.errors import ConfigError
+from app.llm.base import ModelRequest, ModelResponse
+from app.main import create_app
+from app.settings import Settings
 from tests.api.conftest import build_app
 from tests.api.helpers import assert_problem, serve
 from tests.support.fake_anthropic import FakeAnthropic
@@ -50,3 +55,29 @@ async def test_while_draining_reads_are_answered_and_new_runs_refused(
         refused = await client.post("/v1/runs", json={"agent": "echo", "message": "hi"})
         assert_problem(refused, 503, "shutting_down")
     assert fake_model.requests == []
+
+
+class ClosingModel:
+    """A model client that only records being closed."""
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def complete(self, request: ModelRequest) -> ModelResponse:
+        raise AssertionError("no turn runs in this test")
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+async def test_a_start_that_fails_closes_what_it_had_opened(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'served.db'}"
+    first = create_app(Settings(database_url=url))
+    second_model = ClosingModel()
+    second = create_app(Settings(database_url=url), llm=second_model)
+
+    async with serve(first):
+        with pytest.raises(ConfigError, match="another process is serving"):
+            async with serve(second):
+                pass
+    assert second_model.closed == 1  # opened before the serving lock was refused

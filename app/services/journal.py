@@ -45,11 +45,7 @@ class Turn:
     iterations: int = 0
     usage: Usage = field(default_factory=Usage)
     messages: list[Message] = field(default_factory=list)
-    stored_progress: tuple[int, int, int] | None = None
-
-    def progress(self) -> tuple[int, int, int]:
-        """Iterations, input and output tokens so far."""
-        return self.iterations, self.usage.input_tokens, self.usage.output_tokens
+    stored_run_values: dict[str, Any] | None = None  # run_values() as last written
 
     def run_values(self) -> dict[str, Any]:
         """Columns of the run row that change as it goes."""
@@ -134,7 +130,7 @@ class DurableJournal(Journal):
                 interrupted=interrupted,
             )
         turn.run_stored = True
-        turn.stored_progress = turn.progress()
+        turn.stored_run_values = turn.run_values()
 
     async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
         with self._metrics.write("repair"):
@@ -191,14 +187,14 @@ class DurableJournal(Journal):
         batch = list(messages)
         if not turn.user_stored:
             batch.insert(0, turn.user_message)
-        progress = turn.progress()
+        progress = turn.run_values()
         run_values = end
-        if run_values is None and progress != turn.stored_progress:
-            run_values = turn.run_values()
+        if run_values is None and progress != turn.stored_run_values:
+            run_values = progress
         await self._write(
             turn, batch, touch=end is not None, run_values=run_values, before_commit=before_commit
         )
-        turn.stored_progress = progress
+        turn.stored_run_values = progress
         turn.user_stored = True
 
     async def _write(

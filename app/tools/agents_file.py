@@ -291,6 +291,5 @@ def _build_agent(name: str, entry: AgentEntry, tools: Mapping[str, ToolEntry]) -
         max_tool_concurrency=entry.max_tool_concurrency,
         token_budget=entry.token_budget,
         max_tokens=entry.max_tokens,
-        journal=entry.journal,
         description=entry.description,
     )

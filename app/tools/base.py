@@ -65,5 +65,4 @@ class AgentConfig:
     max_tool_concurrency: int = 5
     token_budget: int | None = None
     max_tokens: int = 4096
-    journal: str = "per_step"  # CONTRACT §2's per_call journal is (later): refused at load
     description: str | None = None

@@ -181,7 +181,7 @@ def test_defaults(tmp_path: Path) -> None:
     agent = registry.agent("a")
     assert agent == AgentConfig(name="a", model="scripted:echo")
     assert (agent.max_iterations, agent.stuck_threshold, agent.max_tool_concurrency) == (20, 3, 5)
-    assert (agent.token_budget, agent.max_tokens, agent.journal) == (None, 4096, "per_step")
+    assert (agent.token_budget, agent.max_tokens) == (None, 4096)
 
 
 def test_all_agent_fields(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Repositories: add, flush and select inside the caller's transaction; they never commit.
+"""Repositories: the queries (and the delete) inside the caller's transaction; they never commit.
 
 The hot path, the runner's per-step writes, is not here but in app/db/journal/.
 """
@@ -58,7 +58,7 @@ class SessionRepository:
         """The session row, or None."""
         return await self._s.scalar(select(models.Session).where(models.Session.id == session_id))
 
-    def list_query(
+    async def list(
         self,
         *,
         tenant_id: str | None,
@@ -66,7 +66,7 @@ class SessionRepository:
         user_id: str | None,
         after: tuple[datetime, str] | None,
         limit: int,
-    ) -> Select[models.Session]:
+    ) -> Sequence[models.Session]:
         """Sessions, most recently updated first, keyset-paginated on (updated_at, id)."""
         query = select(models.Session).where(
             models.Session.tenant_id.is_(None)
@@ -83,13 +83,8 @@ class SessionRepository:
                 (models.Session.updated_at < updated_at)
                 | ((models.Session.updated_at == updated_at) & (models.Session.id < session_id))
             )
-        return query.order_by(models.Session.updated_at.desc(), models.Session.id.desc()).limit(
-            limit
-        )
-
-    async def list(self, **kwargs: Any) -> Sequence[models.Session]:
-        """See list_query."""
-        return (await self._s.execute(self.list_query(**kwargs))).scalars().all()
+        query = query.order_by(models.Session.updated_at.desc(), models.Session.id.desc())
+        return (await self._s.execute(query.limit(limit))).scalars().all()
 
 
 class MessageRepository:

@@ -108,11 +108,11 @@ class AnthropicLLMClient:
             )
             raise error from err
         except ValueError as err:  # a 2xx whose body says JSON and is not
-            raise _not_a_message("its body is not JSON") from err
+            raise _logged_not_a_message("its body is not JSON") from err
         try:
             return read_answer(message)
         except _NotAMessage as err:
-            raise _not_a_message(str(err)) from err
+            raise _logged_not_a_message(str(err)) from err
 
     async def aclose(self) -> None:
         """Close the SDK's HTTP connections."""
@@ -143,7 +143,7 @@ def _tools(request: ModelRequest) -> tuple[list[ToolParam], ToolChoiceNoneParam 
     return stand_ins, ToolChoiceNoneParam(type="none")
 
 
-def _not_a_message(why: str) -> LLMError:
+def _logged_not_a_message(why: str) -> LLMError:
     log.warning("model call failed", extra={"error_type": "api_error", "retryable": False})
     return not_a_message(why)
 

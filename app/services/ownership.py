@@ -82,8 +82,9 @@ class ActiveRuns:
 
 class Ownership(Protocol):
     active: ActiveRuns
-    # Statements sent to the database for sessions outside the pool (PostgreSQL: take,
-    # release and take over advisory locks), each a transaction of its own; the bench counts.
+    # Statements sent on ownership's own connection, outside the pool, each a transaction of
+    # its own (PostgreSQL: taking, releasing and taking over locks, and the heartbeats and
+    # readiness pings); the bench counts those a session's turn sends.
     statements: int
 
     def hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:

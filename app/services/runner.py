@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 BUDGET_WARN = 0.8
 BUDGET_STOP = 0.9
 BUDGET_NOTE = (
-    "Note from the runner: this run has used 80% of its token budget. "
+    f"Note from the runner: this run has used {BUDGET_WARN:.0%} of its token budget. "
     "Finish the task with as few further steps as you can."
 )
 
@@ -74,7 +74,8 @@ class _Limits:
             self.warned = True
             self.system = f"{self.system}\n\n{BUDGET_NOTE}" if self.system else BUDGET_NOTE
             log.warning(
-                "run used 80% of its token budget",
+                "run used %d%% of its token budget",
+                round(BUDGET_WARN * 100),
                 extra={"run_id": turn.run_id, "tokens": turn.usage.total},
             )
         return None

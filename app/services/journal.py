@@ -9,7 +9,7 @@ session writes nothing (SessionConflict).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -60,6 +60,7 @@ class Turn:
 class RunEnd:
     status: RunStatus
     response: str | None
+    _: KW_ONLY
     error_type: str | None = None
     error_message: str | None = None
 

@@ -191,20 +191,31 @@ class AgentRunner:
         try:
             response = await self._complete(request)
         except LLMError as exc:
-            return RunEnd(RunStatus.ERROR, last_text, exc.type, exc.message)
+            return RunEnd(
+                RunStatus.ERROR, last_text, error_type=exc.type, error_message=exc.message
+            )
         except Exception as exc:  # an adapter bug must end the run, not answer a 500
             log.exception("model call raised", extra={"run_id": turn.run_id})
-            return RunEnd(RunStatus.ERROR, last_text, "internal_error", str(exc))
+            return RunEnd(
+                RunStatus.ERROR, last_text, error_type="internal_error", error_message=str(exc)
+            )
         turn.usage.add(response.usage)
         if response.tool_calls and response.stop_reason == "max_tokens":
             # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
             # store nothing of this answer (as after a failed model call).
-            return RunEnd(RunStatus.ERROR, last_text, "max_tokens", _truncated_call(agent))
+            return RunEnd(
+                RunStatus.ERROR,
+                last_text,
+                error_type="max_tokens",
+                error_message=_truncated_call(agent),
+            )
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
         if reused is not None:
             error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")
             log.warning("model answer refused", extra={"error_type": error.type})
-            return RunEnd(RunStatus.ERROR, last_text, error.type, error.message)
+            return RunEnd(
+                RunStatus.ERROR, last_text, error_type=error.type, error_message=error.message
+            )
         return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:

@@ -42,7 +42,7 @@ class SessionService:
     ) -> SessionRead:
         """One session with its status."""
         async with self.db.reads.begin() as session:
-            row = await self._visible(session, session_id, tenant_id, user_id)
+            row = await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
             orphaned = await self._orphaned(session, [row])
         held = await self.ownership.is_held(session_id)
         return _session_read(row, _status(held=held, orphans=bool(orphaned)))
@@ -89,7 +89,7 @@ class SessionService:
         """The history in order."""
         after_seq = decode_seq(after) if after else None
         async with self.db.reads.begin() as session:
-            row = await self._visible(session, session_id, tenant_id, user_id)
+            row = await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
             rows = await MessageRepository(session).page(
                 row.key, after_seq=after_seq, limit=limit + 1
             )
@@ -108,7 +108,7 @@ class SessionService:
         """The session's runs, newest first."""
         runs_list = f"runs of {session_id}"  # a cursor of one session's runs, not another's
         async with self.db.reads.begin() as session:
-            await self._visible(session, session_id, tenant_id, user_id)
+            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
             rows = await RunRepository(session).list_for_session(
                 session_id,
                 after=decode_cursor(after, listing=runs_list) if after else None,
@@ -124,12 +124,12 @@ class SessionService:
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""
         async with self.db.reads.begin() as session:  # not revealed by a 409 to others
-            await self._visible(session, session_id, tenant_id, user_id)
+            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
         asked = utcnow()
         try:
             async with self.ownership.hold(session_id):
                 async with self.db.reads.begin() as session:
-                    await self._visible(session, session_id, tenant_id, user_id)
+                    await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
                 # Every write goes through db.writes (app/db/session.py, a Transactor).
                 await self.db.writes.transact(partial(delete_session, session_id=session_id))
         except SessionBusy as busy:
@@ -145,7 +145,7 @@ class SessionService:
 
     @staticmethod
     async def _visible(
-        session: AsyncSession, session_id: str, tenant_id: str | None, user_id: str | None
+        session: AsyncSession, session_id: str, *, tenant_id: str | None, user_id: str | None
     ) -> models.Session:
         row = await SessionRepository(session).get(session_id)
         if row is None:

@@ -393,7 +393,7 @@ async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(
     turn = await start(journal, "hello")
     turn.iterations = 1
     turn.finished_at = turn.created_at
-    end = RunEnd(RunStatus.ERROR, None, "overloaded_error", "try later")
+    end = RunEnd(RunStatus.ERROR, None, error_type="overloaded_error", error_message="try later")
     await journal.record_end(turn, None, end)
 
     stored = await read(db, turn.run_id)
@@ -418,7 +418,9 @@ async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     before = await read(db)
 
     failed = await start(journal, "two", stored_count=2)
-    await journal.record_end(failed, None, RunEnd(RunStatus.ERROR, None, "api_error", "500"))
+    await journal.record_end(
+        failed, None, RunEnd(RunStatus.ERROR, None, error_type="api_error", error_message="500")
+    )
 
     after = await read(db, failed.run_id)
     assert shape(after.history) == shape(before.history)

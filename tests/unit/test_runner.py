@@ -755,7 +755,18 @@ async def test_a_model_failure_before_any_write_ends_the_run_with_error(
     outcome, journal = await run(registry, model)
 
     assert journal.records == [
-        ("end", (None, RunEnd(RunStatus.ERROR, None, "overloaded_error", "overloaded, try later")))
+        (
+            "end",
+            (
+                None,
+                RunEnd(
+                    RunStatus.ERROR,
+                    None,
+                    error_type="overloaded_error",
+                    error_message="overloaded, try later",
+                ),
+            ),
+        )
     ]
     assert outcome.end.status is RunStatus.ERROR
     assert outcome.end.error_type == "overloaded_error"
@@ -770,7 +781,10 @@ async def test_a_model_failure_after_a_step_keeps_the_step(registry: ToolRegistr
     outcome, journal = await run(registry, model)
 
     assert journal.kinds() == ["step", "results", "end"]
-    assert journal.records[-1][1] == (None, RunEnd(RunStatus.ERROR, "step 1", "api_error", "gone"))
+    assert journal.records[-1][1] == (
+        None,
+        RunEnd(RunStatus.ERROR, "step 1", error_type="api_error", error_message="gone"),
+    )
     assert outcome.turn.iterations == 2
 
 

@@ -55,6 +55,7 @@ class Failpoints:
 
     @property
     def armed(self) -> bool:
+        """Whether any failpoint is set (unset, reaching one costs nothing)."""
         return bool(self._armed)
 
     def reach(self, name: str) -> None:

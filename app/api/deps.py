@@ -1,4 +1,5 @@
-"""Request dependencies: the services built by the lifespan, and the caller's tenant."""
+"""Request dependencies: the services built by the lifespan, the caller's tenant, the
+request checks every route shares (parameters sent once), and the shutdown `Lifecycle`."""
 
 from __future__ import annotations
 

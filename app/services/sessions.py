@@ -33,6 +33,8 @@ SESSIONS_LIST = "sessions"
 
 @dataclass
 class SessionService:
+    """Reading and deleting sessions, their messages and runs, as their tenant and user."""
+
     db: Database
     ownership: Ownership
     metrics: Metrics

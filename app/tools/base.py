@@ -49,6 +49,7 @@ class Tool:
 
     @property
     def spec(self) -> ToolSpec:
+        """What the model is told of the tool."""
         return ToolSpec(self.name, self.description, self.input_schema)
 
 

@@ -86,6 +86,7 @@ def run_update_sql(columns: Iterable[str], where: str) -> str:
 
 
 def interrupted_sql(where: str) -> str:
+    """Mark the runs `where` selects `interrupted` as of `:now`."""
     return (
         f"UPDATE run SET status = '{RunStatus.INTERRUPTED.value}', finished_at = :now WHERE {where}"
     )

@@ -36,6 +36,7 @@ class JournalWrite:
 
     @property
     def new_count(self) -> int:
+        """The session's message count once the write has committed."""
         return self.expected + len(self.messages)
 
 

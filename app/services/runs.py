@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -163,11 +163,12 @@ class RunService:
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
         agent = self.registry.agent(body.agent)
-        history, left_running, earlier, overtaken = await self._load(turn, body)
+        stored = await self._load(turn, body)
+        history, earlier = stored.history, stored.earlier
         if earlier is not None:
             # A turn that finished while we waited, or that a later turn has overtaken, is not
             # run again: its stored record is the answer.
-            if earlier.status not in UNFINISHED or overtaken:
+            if earlier.status not in UNFINISHED or stored.overtaken:
                 replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)
@@ -175,7 +176,7 @@ class RunService:
         journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
         # The run is stored, and the dead runs end, before any repair re-runs a tool (which
         # may take a while): meanwhile a 409 names this run, and no dead run looks alive.
-        interrupted = [r for r in left_running if r != turn.run_id]
+        interrupted = [r for r in stored.left_running if r != turn.run_id]
         await journal.record_start(turn, interrupted)
         if interrupted:  # their runners died: this is where they end
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
@@ -231,23 +232,22 @@ class RunService:
             raise IdempotencyKeyReused(turn.idempotency_key)
         return run
 
-    async def _load(
-        self, turn: Turn, body: RunCreate
-    ) -> tuple[list[Message], list[str], models.Run | None, bool]:
-        """Check the caller may use the session; its history, the runs left `running`, keyed run,
-        and whether a later run has started since the keyed one."""
+    async def _load(self, turn: Turn, body: RunCreate) -> _Stored:
+        """Check the caller may use the session; what it holds for this turn."""
         async with self.db.reads.begin() as session:
             row = await self._usable_session(session, turn, body)
             if row is None:
-                return [], [], None, False
+                return _Stored()
             turn.session_exists = True
             turn.stored_count = row.message_count
             runs = RunRepository(session)
-            history = await MessageRepository(session).history(row.key)
-            left_running = await runs.running_ids(row.id)
             earlier = await self._keyed(runs, row.id, turn)
-            overtaken = earlier is not None and await runs.started_after(earlier)
-        return history, left_running, earlier, overtaken
+            return _Stored(
+                history=await MessageRepository(session).history(row.key),
+                left_running=await runs.running_ids(row.id),
+                earlier=earlier,
+                overtaken=earlier is not None and await runs.started_after(earlier),
+            )
 
     @staticmethod
     def _continue(turn: Turn, earlier: models.Run, history: list[Message]) -> None:
@@ -295,6 +295,16 @@ class RunService:
             created_at=turn.created_at,
             finished_at=turn.finished_at,
         )
+
+
+@dataclass
+class _Stored:
+    """What a session holds for a turn about to run on it (empty for a new session)."""
+
+    history: list[Message] = field(default_factory=list)
+    left_running: list[str] = field(default_factory=list)  # runs whose runner died
+    earlier: models.Run | None = None  # the run an earlier request with this key started
+    overtaken: bool = False  # whether a later run has started since `earlier`
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

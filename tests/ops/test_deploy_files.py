@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,17 +162,16 @@ def _quote_literal(text: str) -> str:
 
 @pytest.fixture
 def compose_db(pg_template: str) -> Iterator[dict[str, str]]:
-    """The role and database the compose `db` service creates, fresh on the local server.
+    """The role the compose `db` service creates, and a fresh database it owns on the local
+    server (named `<POSTGRES_DB>_test_<random>`: a database of the compose file's own name on
+    the test server is not the test's to drop); the database's name is `POSTGRES_DB`.
 
     The role gets LOGIN and owns its database: less than the postgres image grants
     POSTGRES_USER (a superuser), so what works here works there.
     """
     db_env = environment(load_compose()["services"]["db"], {})
-    user, password, name = (
-        db_env["POSTGRES_USER"],
-        db_env["POSTGRES_PASSWORD"],
-        db_env["POSTGRES_DB"],
-    )
+    user, password = db_env["POSTGRES_USER"], db_env["POSTGRES_PASSWORD"]
+    name = f"{db_env['POSTGRES_DB']}_test_{uuid.uuid4().hex[:12]}"
     drop = f"DROP DATABASE IF EXISTS {_quote_ident(name)} WITH (FORCE)"
     _pg_admin(
         drop,
@@ -181,7 +181,7 @@ def compose_db(pg_template: str) -> Iterator[dict[str, str]]:
         "END IF; END $$",
         f"CREATE DATABASE {_quote_ident(name)} OWNER {_quote_ident(user)}",
     )
-    yield db_env
+    yield {**db_env, "POSTGRES_DB": name}
     _pg_admin(drop)
 
 
@@ -197,7 +197,10 @@ def test_the_app_serves_with_exactly_the_environment_compose_gives_it(
     app_env = environment(app, {})  # the host has no ANTHROPIC_API_KEY
     url = make_url(app_env["DATABASE_URL"])
     assert url.host in compose["services"], f"DATABASE_URL names no compose service: {url.host}"
-    database_url = url.set(host="127.0.0.1").render_as_string(hide_password=False)
+    assert url.database == environment(compose["services"]["db"], {})["POSTGRES_DB"]
+    database_url = url.set(host="127.0.0.1", database=compose_db["POSTGRES_DB"]).render_as_string(
+        hide_password=False
+    )
     mounted = {m.target: m for m in mounts(app)}
     assert app_env["AGENTS_FILE"] in mounted
     env = {

@@ -3,7 +3,7 @@
 The run service sets `run_id`, `session_id` and `agent`, and the runner `tool_call_id`, in
 context variables; a filter copies them onto every record made while they are set, whichever
 module logs.
-Message contents and API keys are never put in log records at INFO.
+Message contents and API keys are never put in log records, at any level.
 """
 
 from __future__ import annotations

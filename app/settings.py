@@ -1,5 +1,6 @@
-"""Service configuration; the only module that reads the environment (but for the example
-`send_email` tool's DEMO_OUTBOX, app/tools/builtin/outbox.py)."""
+"""Service configuration; the only module that reads configuration from the environment (but
+for the example `send_email` tool's DEMO_OUTBOX, app/tools/builtin/outbox.py; the bench
+hands its environment on to the server it starts)."""
 
 from __future__ import annotations
 

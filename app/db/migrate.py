@@ -16,6 +16,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.session import MEMORY_URL, Database, async_url, sqlite_file
+from app.errors import ConfigError
 
 # Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.
 _in_process = threading.Lock()
@@ -25,9 +26,15 @@ MIGRATION_LOCK_KEY = 0x6167656E7472756E
 
 
 def migrations_dir() -> Path:
-    """The alembic scripts: beside the `app` package in a checkout, else ./migrations."""
-    beside = Path(__file__).resolve().parents[2] / "migrations"
-    return beside if (beside / "env.py").exists() else Path.cwd() / "migrations"
+    """The alembic scripts: beside the `app` package in a checkout, else ./migrations (as in
+    the image); ConfigError when neither is there."""
+    for folder in (Path(__file__).resolve().parents[2] / "migrations", Path.cwd() / "migrations"):
+        if (folder / "env.py").exists():
+            return folder
+    raise ConfigError(
+        "the schema migrations are not beside the app package nor in ./migrations;"
+        " run agent-runner from the folder that holds migrations/"
+    )
 
 
 def alembic_config(database_url: str | None) -> Config:

@@ -1,6 +1,7 @@
 """The agents file (CONTRACT §5): YAML read strictly, built into a ToolRegistry.
 
-Every problem of every tool and agent entry is reported at once, as one ConfigError.
+Once the file's shape is valid, the first problem of each tool and agent entry is reported,
+all at once, as one ConfigError (a file of the wrong shape is refused for that alone).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,24 @@ def test_an_unusable_sqlite_file_is_refused_in_one_line_every_time(tmp_path: Pat
         assert logs.strip().splitlines() == [
             f"Error: cannot use the database {unusable}: unable to open database file"
         ], logs
+
+
+def test_a_copy_without_its_migrations_is_refused_in_one_line(tmp_path: Path) -> None:
+    # An install that left migrations/ behind, run outside the folder that holds them.
+    source = Path(__file__).resolve().parents[2] / "app"
+    shutil.copytree(source, tmp_path / "site" / "app")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    env.pop("DATABASE_URL", None)
+    for command in ("migrate", "serve"):
+        done = subprocess.run(
+            [sys.executable, "-c", "from app.cli import main; main()", command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+        assert "run agent-runner from the folder that holds migrations/" in done.stderr, command

@@ -150,12 +150,20 @@ _PROBLEM_HEADERS: dict[int, dict[str, Any]] = {
 }
 
 
-def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` documenting problem+json for the given statuses."""
+def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` documenting problem+json for the statuses of the route's errors,
+    each response's description naming the `code`s it may carry."""
+    codes: dict[int, list[str]] = {}
+    for error in errors:
+        codes.setdefault(error.status, []).append(error.code)
     schema = {"schema": {"$ref": "#/components/schemas/Problem"}}
     documented: dict[int | str, dict[str, Any]] = {}
-    for status in statuses:
-        response = {"model": Problem, "content": {PROBLEM_JSON: schema}, "description": "A problem"}
+    for status, named in sorted(codes.items()):
+        response = {
+            "model": Problem,
+            "content": {PROBLEM_JSON: schema},
+            "description": "A problem; code " + " or ".join(f"`{code}`" for code in named),
+        }
         if status in _PROBLEM_HEADERS:
             response["headers"] = _PROBLEM_HEADERS[status]
         documented[status] = response

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.errors import AppError
 from app.main import create_app
 from app.settings import Settings
 from tests.api.helpers import PROBLEM_JSON, Json, listing
@@ -101,6 +102,52 @@ def test_problem_statuses_of_each_route(openapi: Json) -> None:
     assert statuses("get", "/v1/agents/{name}") >= {"200", "404"}
     for path in ("/v1/sessions", "/v1/agents"):
         assert "422" in statuses("get", path), path
+
+
+def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> None:
+    ops = operations(openapi)
+
+    def codes(method: str, path: str, status: str) -> set[str]:
+        description = ops[(method, path)]["responses"][status]["description"]
+        return set(re.findall(r"`([a-z_]+)`", description))
+
+    run = ("post", "/v1/runs")
+    assert codes(*run, "404") == {"agent_not_found", "session_not_found"}
+    assert codes(*run, "409") == {
+        "session_busy",
+        "session_agent_mismatch",
+        "memory_store_not_durable",
+    }
+    assert codes(*run, "422") == {"validation_error", "idempotency_key_reused"}
+    assert codes(*run, "503") == {"database_unavailable", "shutting_down"}
+    assert codes("get", "/v1/runs/{run_id}", "404") == {"run_not_found"}
+    assert codes("delete", "/v1/sessions/{session_id}", "409") == {"session_busy"}
+    assert codes("get", "/readyz", "503") == {
+        "database_unavailable",
+        "schema_out_of_date",
+        "shutting_down",
+    }
+    # Every code a route answers (CONTRACT §3's list and ours) is named somewhere; the
+    # generic ones (unknown path, wrong method, HTTP-level errors, 500) belong to no route.
+    named = {
+        code
+        for (method, path), operation in ops.items()
+        for status in operation["responses"]
+        if status.startswith(("4", "5"))
+        for code in codes(method, path, status)
+    }
+    generic = {"not_found", "method_not_allowed", "http_error", "internal_error"}
+    assert named == {cls.code for cls in app_errors()} - generic
+
+
+def app_errors() -> list[type[AppError]]:
+    """Every error class of app/errors.py."""
+    found, todo = [], [AppError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def test_the_members_and_headers_problems_carry_are_described(openapi: Json) -> None:

@@ -8,13 +8,14 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import RegistryDep
 from app.api.problems import responses
+from app.errors import AgentNotFound, Unauthorized, ValidationFailed
 from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page, next_after
 from app.schemas.runs import AgentRead
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
 
 
-@router.get("", responses=responses(401, 422))
+@router.get("", responses=responses(Unauthorized, ValidationFailed))
 async def list_agents(
     registry: RegistryDep,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
@@ -27,7 +28,7 @@ async def list_agents(
     return Page(data=data, next_after=next_after(names, limit, str))
 
 
-@router.get("/{name}", responses=responses(401, 404, 422))
+@router.get("/{name}", responses=responses(Unauthorized, AgentNotFound, ValidationFailed))
 async def get_agent(name: str, registry: RegistryDep) -> AgentRead:
     """One agent and its tools."""
     agent = registry.agent(name)

@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api.deps import ServicesDep
 from app.api.problems import responses
-from app.errors import ShuttingDown
+from app.errors import DatabaseUnavailable, SchemaOutOfDate, ShuttingDown
 from app.schemas.common import Health, Readiness
 
 router = APIRouter(tags=["health"])
@@ -20,7 +20,7 @@ async def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", responses=responses(503))
+@router.get("/readyz", responses=responses(DatabaseUnavailable, SchemaOutOfDate, ShuttingDown))
 async def readyz(services: ServicesDep) -> Readiness:
     """The database answers and its schema is at the newest migration."""
     if services.lifecycle.draining:

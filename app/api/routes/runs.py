@@ -17,6 +17,21 @@ from app.api.deps import (
     one_idempotency_key,
 )
 from app.api.problems import responses
+from app.errors import (
+    AgentNotFound,
+    DatabaseUnavailable,
+    IdempotencyKeyReused,
+    MemoryStoreNotDurable,
+    PayloadTooLarge,
+    RunNotFound,
+    SessionAccessDenied,
+    SessionAgentMismatch,
+    SessionBusy,
+    SessionNotFound,
+    ShuttingDown,
+    Unauthorized,
+    ValidationFailed,
+)
 from app.schemas.runs import RunCreate, RunRead
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -54,7 +69,20 @@ RUN_LINKS = {
 @router.post(
     "",
     dependencies=[Depends(accepting_runs), Depends(one_idempotency_key)],
-    responses=responses(401, 403, 404, 409, 413, 422, 503)
+    responses=responses(
+        Unauthorized,
+        SessionAccessDenied,
+        AgentNotFound,
+        SessionNotFound,
+        SessionBusy,
+        SessionAgentMismatch,
+        MemoryStoreNotDurable,
+        PayloadTooLarge,
+        ValidationFailed,
+        IdempotencyKeyReused,
+        DatabaseUnavailable,
+        ShuttingDown,
+    )
     | {
         200: {
             "headers": {"Idempotent-Replayed": {"schema": {"type": "string"}}},
@@ -81,7 +109,13 @@ async def create_run(
     return result.run
 
 
-@router.get("/{run_id}", responses=responses(401, 403, 404, 422, 503) | {200: {"links": RUN_LINKS}})
+@router.get(
+    "/{run_id}",
+    responses=responses(
+        Unauthorized, SessionAccessDenied, RunNotFound, ValidationFailed, DatabaseUnavailable
+    )
+    | {200: {"links": RUN_LINKS}},
+)
 async def get_run(
     run_id: str,
     runs: RunServiceDep,

@@ -8,10 +8,23 @@ from fastapi import APIRouter, Path, Query, Response
 
 from app.api.deps import SessionServiceDep, TenantDep
 from app.api.problems import responses
+from app.errors import (
+    DatabaseUnavailable,
+    SessionAccessDenied,
+    SessionBusy,
+    SessionNotFound,
+    Unauthorized,
+    ValidationFailed,
+)
 from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page
 from app.schemas.runs import SESSION_ID_PATTERN, MessageRead, RunSummary, SessionRead
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+# What a read of one session may answer instead.
+SESSION_PROBLEMS = responses(
+    Unauthorized, SessionAccessDenied, SessionNotFound, ValidationFailed, DatabaseUnavailable
+)
 
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
@@ -34,7 +47,7 @@ UserId = Annotated[
 ]
 
 
-@router.get("", responses=responses(401, 422, 503))
+@router.get("", responses=responses(Unauthorized, ValidationFailed, DatabaseUnavailable))
 async def list_sessions(
     sessions: SessionServiceDep,
     tenant: TenantDep,
@@ -49,7 +62,7 @@ async def list_sessions(
     )
 
 
-@router.get("/{session_id}", responses=responses(401, 403, 404, 422, 503))
+@router.get("/{session_id}", responses=SESSION_PROBLEMS)
 async def get_session(
     session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> SessionRead:
@@ -57,7 +70,7 @@ async def get_session(
     return await sessions.get(session_id, tenant_id=tenant, user_id=user_id)
 
 
-@router.get("/{session_id}/messages", responses=responses(401, 403, 404, 422, 503))
+@router.get("/{session_id}/messages", responses=SESSION_PROBLEMS)
 async def list_messages(
     session_id: SessionId,
     sessions: SessionServiceDep,
@@ -72,7 +85,7 @@ async def list_messages(
     )
 
 
-@router.get("/{session_id}/runs", responses=responses(401, 403, 404, 422, 503))
+@router.get("/{session_id}/runs", responses=SESSION_PROBLEMS)
 async def list_session_runs(
     session_id: SessionId,
     sessions: SessionServiceDep,
@@ -91,7 +104,14 @@ async def list_session_runs(
     "/{session_id}",
     status_code=204,
     response_class=Response,
-    responses=responses(401, 403, 404, 409, 422, 503),
+    responses=responses(
+        Unauthorized,
+        SessionAccessDenied,
+        SessionNotFound,
+        SessionBusy,
+        ValidationFailed,
+        DatabaseUnavailable,
+    ),
 )
 async def delete_session(
     session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None

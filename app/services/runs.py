@@ -47,10 +47,14 @@ log = logging.getLogger(__name__)
 UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
-def fingerprint(body: RunCreate) -> str:
-    """A hash of the request body as parsed JSON, to tell a retry from a different request."""
+def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
+    """A hash of the request body as parsed JSON, to tell a retry from a different request.
+
+    `floats_as_sent`: as the builds before 2026-11-30 stored it, which hashed 12.0 as
+    written (not as the 12 it equals); a key one of them stored must still replay."""
+    parsed = body.model_dump(mode="json", exclude_unset=True)
     canonical = json.dumps(
-        _integral_floats_as_ints(body.model_dump(mode="json", exclude_unset=True)),
+        parsed if floats_as_sent else _integral_floats_as_ints(parsed),
         sort_keys=True,
         separators=(",", ":"),
     )
@@ -207,7 +211,7 @@ class RunService:
             row = await self._usable_session(session, turn, body)
             if row is None:
                 return None
-            return await self._keyed(RunRepository(session), row.id, turn)
+            return await self._keyed(RunRepository(session), row.id, turn, body)
 
     @staticmethod
     async def _usable_session(
@@ -223,12 +227,16 @@ class RunService:
         return row
 
     @staticmethod
-    async def _keyed(runs: RunRepository, session_id: str, turn: Turn) -> models.Run | None:
+    async def _keyed(
+        runs: RunRepository, session_id: str, turn: Turn, body: RunCreate
+    ) -> models.Run | None:
         """The run an earlier request with this turn's key started; another body is refused."""
         if turn.idempotency_key is None:
             return None
         run = await runs.by_idempotency_key(session_id, turn.idempotency_key)
-        if run is not None and run.request_fingerprint != turn.fingerprint:
+        if run is None or run.request_fingerprint == turn.fingerprint:
+            return run
+        if run.request_fingerprint != fingerprint(body, floats_as_sent=True):
             raise IdempotencyKeyReused(turn.idempotency_key)
         return run
 
@@ -241,7 +249,7 @@ class RunService:
             turn.session_exists = True
             turn.stored_count = row.message_count
             runs = RunRepository(session)
-            earlier = await self._keyed(runs, row.id, turn)
+            earlier = await self._keyed(runs, row.id, turn, body)
             return _Stored(
                 history=await MessageRepository(session).history(row.key),
                 left_running=await runs.running_ids(row.id),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
 
 import httpx
+from sqlalchemy import text
 
+from app.db.session import Database
 from tests.api.conftest import build_app
 from tests.api.helpers import Json, assert_problem, get_ok, run, serve
 from tests.support.fake_anthropic import FakeAnthropic
@@ -291,3 +294,33 @@ async def test_a_model_error_is_stored_whatever_its_type_and_text(
     assert body["error"]["type"] == "invalid_" * 12 + "\ufffd"
     assert "\x00" not in body["error"]["message"] and "invalid_" in body["error"]["message"]
     assert (await get_ok(client, f"/v1/runs/{body['run_id']}"))["error"] == body["error"]
+
+
+async def test_a_key_stored_by_a_build_that_hashed_floats_as_sent_still_replays(
+    client: httpx.AsyncClient, database_url: str
+) -> None:
+    # Builds before 2026-11-30 stored the fingerprint of 12.0 as written; one of their keys
+    # must still replay after an upgrade (CONTRACT §4), and still refuse another body.
+    body = {"agent": "echo", "message": "pay", "session_id": "old-key", "metadata": {"n": 12.0}}
+    key = {"Idempotency-Key": "k-1"}
+    first = await client.post("/v1/runs", json=body, headers=key)
+    assert first.status_code == 200, first.text
+    as_sent = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    old = hashlib.sha256(as_sent.encode()).hexdigest()
+    db = await Database.connect(database_url, pool_size=1)
+    try:
+        async with db.engine.begin() as conn:
+            stored = await conn.execute(
+                text("UPDATE run SET request_fingerprint = :old WHERE id = :id"),
+                {"old": old, "id": first.json()["run_id"]},
+            )
+            assert stored.rowcount == 1
+    finally:
+        await db.dispose()
+
+    again = await client.post("/v1/runs", json=body, headers=key)
+    assert again.status_code == 200, again.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json()["run_id"] == first.json()["run_id"]
+    other = await client.post("/v1/runs", json={**body, "message": "pay twice"}, headers=key)
+    assert_problem(other, 422, "idempotency_key_reused")

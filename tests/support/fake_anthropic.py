@@ -69,6 +69,17 @@ _TOP_LEVEL_KEYS = {
 }  # fmt: skip
 
 
+# The keys the API takes on a message, on each kind of content block, and on a tool: any
+# other is "Extra inputs are not permitted".
+_MESSAGE_KEYS = {"role", "content"}
+_BLOCK_KEYS = {
+    "text": {"type", "text", "cache_control", "citations"},
+    "tool_use": {"type", "id", "name", "input", "cache_control"},
+    "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+}
+_TOOL_KEYS = {"name", "description", "input_schema", "cache_control", "type"}
+
+
 class InvalidRequest(Exception):
     """The request breaks a Messages API rule; the text mimics the real API's."""
 
@@ -229,6 +240,9 @@ def _validate_tools(tools: Any) -> None:
             raise InvalidRequest(f"tools.{i}.name: Field required")
         if not isinstance(tool.get("input_schema"), dict):
             raise InvalidRequest(f"tools.{i}.input_schema: Field required")
+        if tool["input_schema"].get("type") != "object":
+            raise InvalidRequest(f"tools.{i}.input_schema.type: Input should be 'object'")
+        _no_extra_keys(tool, _TOOL_KEYS, f"tools.{i}")
         if not _TOOL_NAME.fullmatch(tool["name"]):
             raise InvalidRequest(
                 f"tools.{i}.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'"
@@ -243,6 +257,7 @@ def _validate_message(messages: list[Any], index: int, message: Any) -> None:
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise InvalidRequest(f"{where}.role: Input should be 'user' or 'assistant'")
     role = message["role"]
+    _no_extra_keys(message, _MESSAGE_KEYS, where)
     if index == 0 and role != "user":
         raise InvalidRequest('messages: first message must use the "user" role')
     if index > 0 and messages[index - 1].get("role") == role:
@@ -259,6 +274,8 @@ def _validate_message(messages: list[Any], index: int, message: Any) -> None:
     seen_other = False
     for j, block in enumerate(blocks):
         kind = _kind(block)
+        if kind in _BLOCK_KEYS:
+            _no_extra_keys(block, _BLOCK_KEYS[kind], f"{where}.content.{j}.{kind}")
         if kind == "text":
             text = block.get("text")
             if not isinstance(text, str) or not text.strip():
@@ -268,6 +285,7 @@ def _validate_message(messages: list[Any], index: int, message: Any) -> None:
             if not isinstance(block.get("id"), str) or not isinstance(block.get("input"), dict):
                 raise InvalidRequest(f"{where}.content.{j}.tool_use: id and input are required")
         elif kind == "tool_result" and role == "user":
+            _validate_tool_result(block, f"{where}.content.{j}.tool_result")
             if seen_other:
                 raise InvalidRequest(
                     f"{where}.content.{j}: `tool_result` blocks must come first in the "
@@ -279,6 +297,25 @@ def _validate_message(messages: list[Any], index: int, message: Any) -> None:
         _check_results_follow(messages, index)
     elif index > 0:
         _check_results_match(messages, index)
+
+
+def _no_extra_keys(value: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in value:
+        if key not in allowed:
+            raise InvalidRequest(f"{where}.{key}: Extra inputs are not permitted")
+
+
+def _validate_tool_result(block: dict[str, Any], where: str) -> None:
+    """`content` a string or a list of text blocks (images aside); `is_error` a boolean."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise InvalidRequest(f"{where}.tool_use_id: Field required")
+    content = block.get("content", "")
+    if not isinstance(content, str) and (
+        not isinstance(content, list) or any(_text_of(b) is None for b in content)
+    ):
+        raise InvalidRequest(f"{where}.content: Input should be a string or a list of blocks")
+    if "is_error" in block and not isinstance(block["is_error"], bool):
+        raise InvalidRequest(f"{where}.is_error: Input should be a valid boolean")
 
 
 def _check_results_follow(messages: list[Any], index: int) -> None:

@@ -208,6 +208,32 @@ def test_usage_follows_the_documented_formula() -> None:
             ),
             "`tool_result` blocks must come first",
         ),
+        (
+            body("echo", [{"role": "user", "content": "a", "seq": 1}]),
+            "messages.0.seq: Extra inputs are not permitted",
+        ),
+        (
+            body("echo", [user({**text("a"), "is_error": False})]),
+            "messages.0.content.0.text.is_error: Extra inputs are not permitted",
+        ),
+        (
+            body(
+                "echo",
+                [
+                    user(text("a")),
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "x", "input": {}}],
+                    },
+                    user(result("t1", {"ok": True})),
+                ],
+            ),
+            "tool_result.content: Input should be a string or a list of blocks",
+        ),
+        (
+            {**body("echo", [user(text("a"))]), "tools": [{"name": "x", "input_schema": {}}]},
+            "tools.0.input_schema.type: Input should be 'object'",
+        ),
     ],
 )
 def test_validation_rejects_what_the_api_rejects(

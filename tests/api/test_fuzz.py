@@ -7,9 +7,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-pytest.importorskip("hypothesis")
-
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

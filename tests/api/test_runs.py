@@ -37,8 +37,21 @@ def assert_completed_triage(body: Json, message: str) -> None:
     assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
 
 
+async def row_counts(database_url: str) -> dict[str, int]:
+    """How many rows each table of the service holds, read from the database itself."""
+    db = await Database.connect(database_url, pool_size=1)
+    try:
+        async with db.engine.connect() as conn:
+            return {
+                table: (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+                for table in ("session", "run", "message")
+            }
+    finally:
+        await db.dispose()
+
+
 async def test_stateless_run_answers_and_writes_nothing(
-    client: httpx.AsyncClient, tool_server: ToolServer
+    client: httpx.AsyncClient, tool_server: ToolServer, database_url: str
 ) -> None:
     body = await run(client, "triage", "triage issue 7")
 
@@ -49,6 +62,7 @@ async def test_stateless_run_answers_and_writes_nothing(
     assert (await get_ok(client, "/v1/sessions")) == {"data": [], "next_after": None}
     for run_id in (body["run_id"], "00000000-0000-0000-0000-000000000000", "nope"):
         assert_problem(await client.get(f"/v1/runs/{run_id}"), 404, "run_not_found")
+    assert await row_counts(database_url) == {"session": 0, "run": 0, "message": 0}
 
 
 async def test_durable_run_is_recorded_with_its_messages(client: httpx.AsyncClient) -> None:

@@ -118,6 +118,7 @@ def test_tool_lines_carry_the_tool_call_id(ops: Scenario) -> None:
     records = json_lines(ops.serve_log)
     resumed = ops.answers["resume"][1]
     repaired = [r for r in records if r["message"] == "repaired orphaned tool call"]
+    assert len(repaired) == len(_orphaned_calls(ops)) == 2  # the crashed step's two calls
     assert {r.get("tool_call_id") for r in repaired} == set(_orphaned_calls(ops))
     for record in repaired:
         assert record.get("run_id") == resumed["run_id"], record
@@ -130,6 +131,7 @@ def test_tool_lines_carry_the_tool_call_id(ops: Scenario) -> None:
         if m["role"] == "tool" and m["is_error"]
     ]
     failed = [r for r in records if r["logger"] == "app.tools.registry"]
+    assert len(failed_calls) == 1, failed_calls
     assert [r.get("tool_call_id") for r in failed] == failed_calls
     assert all(r.get("run_id") == ops.answers["tool_error"][1]["run_id"] for r in failed)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from app.failpoints import EXIT_CODE
 from tests.ops.helpers import increase, scrape, value
 from tests.ops.scenario import Scenario
 from tests.support.agents import write_agents_file
@@ -21,7 +22,7 @@ TRIAGE_MODEL = "plan:get_issue,post_slack"
 
 
 def test_the_scenario_ran_as_planned(ops: Scenario) -> None:
-    assert ops.crash_exit != 0, ops.crash_log
+    assert ops.crash_exit == EXIT_CODE, ops.crash_log  # the failpoint, not another death
     for action in ("resume", "ok", "tool_error", "busy_first"):
         status, body = ops.answers[action]
         assert (status, body.get("status")) == (200, "complete"), (action, body)

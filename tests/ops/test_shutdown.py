@@ -42,6 +42,15 @@ def _start_slow_run(
     return future
 
 
+def _draining(server: ServerProcess) -> bool:
+    """Whether the server has taken the SIGTERM in: /readyz says so, or nothing listens."""
+    try:
+        with server.client(timeout=5) as client:
+            return client.get("/readyz").status_code == 503
+    except httpx.TransportError:
+        return True
+
+
 def _sigterm(server: ServerProcess) -> float:
     assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
@@ -63,7 +72,7 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
         with ThreadPoolExecutor(max_workers=1) as pool:
             in_flight = _start_slow_run(pool, server, tool_server, {**SLOW_TURN, "session_id": "s"})
             _sigterm(server)
-            time.sleep(0.3)  # let the signal handler run
+            wait_for(lambda: _draining(server), timeout=20, what="the server draining")
 
             marker = "after-sigterm-7f3c"
             try:

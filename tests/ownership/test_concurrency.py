@@ -52,7 +52,7 @@ def test_twenty_concurrent_posts_on_one_session(
 ) -> None:
     """Exactly one of 20 simultaneous turns runs; the 19 others are 409 naming the winner."""
     server = servers.start("server")
-    fake_model.set_delay(0.8)  # the winner holds the session well past the last arrival
+    fake_model.set_delay(2)  # the winner holds the session well past the last arrival
     body = run_body("triage", "Triage issue 7", "s-twenty")
     run, busy = split(fire_together([(server.url, body)] * 20))
     assert len(busy) == 19
@@ -67,7 +67,7 @@ def test_concurrent_posts_across_two_processes(
     """Two replicas on one PostgreSQL, ten requests each at once: one turn runs, in one place."""
     a, b = servers.new("a"), servers.new("b")
     servers.start_all(a, b)
-    fake_model.set_delay(0.8)
+    fake_model.set_delay(2)  # as above
     body = run_body("triage", "Triage issue 8", "s-replicas")
     run, busy = split(fire_together([(a.url, body)] * 10 + [(b.url, body)] * 10))
     assert len(busy) == 19

@@ -172,7 +172,7 @@ def test_a_database_that_answers_late_costs_the_holder_no_session(
             tmp_path, database_url=via_proxy, model_url=fake_model.url, tools_url=tool_server.url
         )
         try:
-            server = servers.start("server", env={"SESSION_TAKEOVER_AFTER_S": "6"})
+            server = servers.start("server", env={"SESSION_TAKEOVER_AFTER_S": "8"})
             turn = Background(server.url, run_body("slow", "Triage issue 3", "s-late-db"))
             assert tool_server.in_flight.wait(15), "the side effect never started"
             proxy.stall(2)

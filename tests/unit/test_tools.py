@@ -30,7 +30,7 @@ from app.tools.registry import ToolRegistry
 
 SESSION_CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_abc")
 STATELESS_CTX = ToolContext(session_id=None, run_id="run-9", tool_call_id="toolu_xyz")
-SLOW_ENDPOINT_S = 0.5
+SLOW_ENDPOINT_S = 2.0  # well past the 0.05 s timeout, however loaded the machine
 
 
 # --- a real HTTP server in a thread -----------------------------------------------------------

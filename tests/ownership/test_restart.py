@@ -75,6 +75,8 @@ def test_kill_mid_handler_then_restart_and_resubmit_without_key(
     users = user_messages(messages, message)
     assert [m["run_id"] for m in users] == [crashed_id, run["run_id"]]
     assert tool_server.per_call("slow_post")[slow.tool_call_id] == 1
+    assert tool_server.count("slow_post") == 2  # the killed call once, and the new turn's call
+    assert messages[: len(before)] == before  # the resume kept what was committed
     assert_durability_error(
         result_of(messages, slow.tool_call_id), tool="slow_post", call_id=slow.tool_call_id
     )

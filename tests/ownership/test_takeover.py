@@ -59,6 +59,7 @@ def test_kill_9_of_the_holder_then_another_process_takes_over(
         messages = history(client, "s-kill")
         runs = {r["run_id"]: r["status"] for r in session_runs(client, "s-kill")}
     assert tool_server.per_call("slow_post")[in_flight.tool_call_id] == 1, tool_server.invocations
+    assert tool_server.count("slow_post") == 2  # the killed call once, and B's new turn's call
     orphan = result_of(messages, in_flight.tool_call_id)
     assert_durability_error(orphan, tool="slow_post", call_id=in_flight.tool_call_id)
     assert tool_server.per_call("get_issue")[issue.tool_call_id] == 2  # safe_to_retry: re-run

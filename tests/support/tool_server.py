@@ -31,8 +31,11 @@ class Invocation:
 
     @property
     def tool_call_id(self) -> str:
-        """The call id at the end of `<session or run>:<tool_call_id>`."""
-        return (self.idempotency_key or "").rsplit(":", 1)[-1]
+        """The call id at the end of `<session or run>:<tool_call_id>`. The runner always sends
+        the key: an invocation without one fails the test that counts calls by id, rather
+        than being counted under an id of its own."""
+        assert self.idempotency_key, f"{self.tool} was invoked without an Idempotency-Key"
+        return self.idempotency_key.rsplit(":", 1)[-1]
 
 
 class ToolServer(ThreadedServer):

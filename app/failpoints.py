@@ -14,15 +14,14 @@ from app.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-NAMES = frozenset(
-    {
-        "before-write-1",
-        "after-write-1",
-        "after-handlers",
-        "in-write-2",
-        "after-write-2",
-        "before-final-write",
-    }
+# In the order a turn reaches them (CONTRACT §6).
+NAMES = (
+    "before-write-1",
+    "after-write-1",
+    "after-handlers",
+    "in-write-2",
+    "after-write-2",
+    "before-final-write",
 )
 EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
 

@@ -61,20 +61,17 @@ def crash_and_resume(
 ) -> Resumed:
     """Crash a `triage` turn at `failpoint`, restart without failpoints, resubmit it."""
 
-    def server(label: str, failpoints: str | None = None) -> ServerProcess:
-        return server_process(
-            tmp_path,
-            database_url=database_url,
-            fake_model=fake_model,
-            tool_server=tool_server,
-            label=label,
-            failpoints=failpoints,
-        )
-
-    crashing = server("crashed", failpoint)
+    server = partial(
+        server_process,
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    crashing = server(label="crashed", failpoints=failpoint)
     with crashing:
         crash_run(crashing, run_body("triage"))
-    with server("resumed") as resumed, resumed.client() as client:
+    with server(label="resumed") as resumed, resumed.client() as client:
         before = list_messages(client)
         status_before = session_status(client)
         run = post_run(client, run_body("triage"))

@@ -7,10 +7,12 @@ exactly as it was (seq, role, content, tool calls, run id, time), and no side ef
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from app.failpoints import NAMES
 from tests.crash.test_crash_matrix import (
     assert_history_consistent,
     assert_idempotency_keys,
@@ -21,47 +23,35 @@ from tests.crash.test_crash_matrix import (
     server_process,
 )
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 
 pytestmark = pytest.mark.crash
 
-WINDOWS = [
-    "before-write-1",
-    "after-write-1",
-    "after-handlers",
-    "in-write-2",
-    "after-write-2",
-    "before-final-write",
-]
 TURN = ["user", "assistant", "tool", "tool", "assistant"]  # a triage turn: one step, then text
 
 
 def test_a_session_keeps_its_past_through_a_crash_in_every_window(
     tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    def server(label: str, failpoints: str | None = None) -> ServerProcess:
-        return server_process(
-            tmp_path,
-            database_url=database_url,
-            fake_model=fake_model,
-            tool_server=tool_server,
-            label=label,
-            failpoints=failpoints,
-        )
-
-    with server("before") as plain, plain.client() as client:
+    server = partial(
+        server_process,
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
+    )
+    with server(label="before") as plain, plain.client() as client:
         for n in (1, 2):
             run = post_run(client, run_body("triage", message=f"triage issue {n}"))
             assert run["status"] == "complete", run
         kept = list_messages(client)
     assert [m["role"] for m in kept] == TURN * 2
 
-    for window in WINDOWS:
+    for window in NAMES:  # in the order a turn reaches them
         body = run_body("triage", message=f"triage the issue at {window}")
-        with server(f"crash-{window}", failpoints=window) as armed:
+        with server(label=f"crash-{window}", failpoints=window) as armed:
             crash_run(armed, body)
-        with server(f"resume-{window}") as resumed, resumed.client() as client:
+        with server(label=f"resume-{window}") as resumed, resumed.client() as client:
             snapshot = list_messages(client)
             assert snapshot[: len(kept)] == kept, f"{window}: committed history changed"
             run = post_run(client, body)

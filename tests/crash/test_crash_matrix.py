@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import signal
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,19 @@ def server_process(
         agents_file=write_agents_file(tmp_path, tool_server.url),
         model_url=fake_model.url,
         failpoints=failpoints,
+    )
+
+
+def server_maker(
+    tmp_path: Path, *, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> Callable[..., ServerProcess]:
+    """`server_process` with the test's fixtures: call it with `label` (and `failpoints`)."""
+    return partial(
+        server_process,
+        tmp_path,
+        database_url=database_url,
+        fake_model=fake_model,
+        tool_server=tool_server,
     )
 
 

@@ -6,7 +6,6 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from tests.crash.test_crash_matrix import (
     post_run,
     result_of,
     run_body,
+    server_maker,
     server_process,
     session_status,
 )
@@ -61,12 +61,8 @@ def crash_and_resume(
 ) -> Resumed:
     """Crash a `triage` turn at `failpoint`, restart without failpoints, resubmit it."""
 
-    server = partial(
-        server_process,
-        tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
+    server = server_maker(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
     )
     crashing = server(label="crashed", failpoints=failpoint)
     with crashing:
@@ -245,12 +241,8 @@ def test_while_a_repair_reruns_a_tool_the_new_run_holds_the_session(
     """A 409 during a slow repair names the resubmission's run, and the dead run stays
     `interrupted` (it was named in the 409 and shown `running` until the repair ended)."""
     body = run_body("slow-read")
-    server = partial(
-        server_process,
-        tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
+    server = server_maker(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
     )
     crashing = server(label="crashed", failpoints="after-write-1")
     with crashing:

@@ -7,7 +7,6 @@ exactly as it was (seq, role, content, tool calls, run id, time), and no side ef
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from tests.crash.test_crash_matrix import (
     list_messages,
     post_run,
     run_body,
-    server_process,
+    server_maker,
 )
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.tool_server import ToolServer
@@ -33,12 +32,8 @@ TURN = ["user", "assistant", "tool", "tool", "assistant"]  # a triage turn: one 
 def test_a_session_keeps_its_past_through_a_crash_in_every_window(
     tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:
-    server = partial(
-        server_process,
-        tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
+    server = server_maker(
+        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
     )
     with server(label="before") as plain, plain.client() as client:
         for n in (1, 2):

@@ -134,25 +134,37 @@ def test_interrupted_keyed_turn_after_handlers_is_continued(
 def test_interrupted_keyed_turn_before_write_1_is_continued(
     servers: Servers, tool_server: ToolServer
 ) -> None:
-    """Same key after a crash before write #1: the same run goes on, its message stored once."""
+    """Same key after a crash before write #1: the same run goes on, its message stored once
+    (on a session with a past: the turn's own user message is what counts, not any)."""
     session, message, key = "s-keyed-write-1", "Triage issue 22", "turn-22"
+    with servers.new("earlier") as earlier, earlier.client() as client:
+        past_run = ok(client.post("/v1/runs", json=run_body("triage", "Triage issue 0", session)))
+        past = history(client, session)
+    ran_before = len(tool_server.invocations)
     body = run_body("triage", message, session)
     restarted = crash_keyed_turn(servers, "before-write-1", body, key)
-    assert tool_server.invocations == []
+    assert len(tool_server.invocations) == ran_before
     with restarted.client() as client:
-        (crashed,) = session_runs(client, session)
-        assert history(client, session) == []
+        crashed, _ = session_runs(client, session)
+        assert history(client, session) == past
         response = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
         run = ok(response)
         messages = history(client, session)
-        assert [r["run_id"] for r in session_runs(client, session)] == [crashed["run_id"]]
+        runs = [r["run_id"] for r in session_runs(client, session)]
+    assert runs == [crashed["run_id"], past_run["run_id"]]
     assert "idempotent-replayed" not in response.headers
     assert run["run_id"] == crashed["run_id"]
     assert run["status"] == "complete", run
+    assert messages[: len(past)] == past
+    turn = messages[len(past) :]
+    assert [(m["role"], m["content"]) for m in turn[:1]] == [("user", message)]
     assert [m["run_id"] for m in user_messages(messages, message)] == [run["run_id"]]
-    assert {m["run_id"] for m in messages} == {run["run_id"]}
-    assert sorted(c["name"] for c in tool_calls(messages)) == ["get_issue", "post_slack"]
-    assert sorted(i.tool for i in tool_server.invocations) == ["get_issue", "post_slack"]
+    assert {m["run_id"] for m in turn} == {run["run_id"]}
+    assert sorted(c["name"] for c in tool_calls(turn)) == ["get_issue", "post_slack"]
+    assert sorted(i.tool for i in tool_server.invocations[ran_before:]) == [
+        "get_issue",
+        "post_slack",
+    ]
     assert_history_consistent(messages)
 
 

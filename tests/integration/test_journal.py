@@ -29,6 +29,7 @@ from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd, Turn
 from app.services.ownership import LocalOwnership
+from app.services.pg_ownership import PostgresOwnership
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
@@ -653,3 +654,35 @@ async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
     assert stored.session is not None and stored.session.message_count == 2
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
+    db: Database, metrics: Metrics, database_url: str
+) -> None:
+    # A's lock connection dies (as when another replica ends a stalled holder) and B takes
+    # the session; A's next write must fail though the message count it expects still holds.
+    dsn = asyncpg_dsn(database_url)
+    a, b = (PostgresOwnership(dsn, heartbeat_s=0.5, takeover_after_s=3) for _ in range(2))
+    await a.start()
+    await b.start()
+    admin = await asyncpg.connect(dsn)
+    try:
+        journal = DurableJournal(journal_store(db, a.fence_sql), Failpoints.parse(None), a, metrics)
+        async with a.hold(SESSION):
+            turn = await start(journal, "buy it")
+            pid = a.fence_params(SESSION)["fence_pid"]
+            # With a timeout, pg_terminate_backend waits for the backend (and its lock) to go.
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
+            async with b.hold(SESSION):
+                with pytest.raises(SessionConflict):
+                    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    finally:
+        await admin.close()
+        await a.stop()
+        await b.stop()
+    stored = await read(db, turn.run_id)
+    assert stored.history == []
+    assert stored.session is not None and stored.session.message_count == 0

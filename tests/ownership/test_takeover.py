@@ -51,6 +51,7 @@ def test_kill_9_of_the_holder_then_another_process_takes_over(
     assert isinstance(on_a.join(5), httpx.TransportError)
     tool_server.release()  # B's new turn posts again (a new call); it must not block
     with b.client() as client:
+        before = history(client, "s-kill")  # what A committed before it died
         response = post_until_not_busy(client, body, deadline=killed_at + 5)
         took = time.monotonic() - killed_at
         run = ok(response)
@@ -63,6 +64,7 @@ def test_kill_9_of_the_holder_then_another_process_takes_over(
     orphan = result_of(messages, in_flight.tool_call_id)
     assert_durability_error(orphan, tool="slow_post", call_id=in_flight.tool_call_id)
     assert tool_server.per_call("get_issue")[issue.tool_call_id] == 2  # safe_to_retry: re-run
+    assert messages[: len(before)] == before
     assert_history_consistent(messages)
     crashed = {m["run_id"] for m in messages} - {run["run_id"]}
     assert len(crashed) == 1, messages

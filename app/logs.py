@@ -3,7 +3,9 @@
 The run service sets `run_id`, `session_id` and `agent`, and the runner `tool_call_id`, in
 context variables; a filter copies them onto every record made while they are set, whichever
 module logs.
-Message contents and API keys are never put in log records, at any level.
+Message contents and API keys are never put in log records, at any level (the traceback of
+an unexpected error carries the exception's own text, which its code may have built from
+its input).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             )
             resources.push_async_callback(model.aclose)
             ownership = build_ownership(db, settings)
+            resources.push_async_callback(ownership.stop)  # copes with a start cut short
             await ownership.start()
-            resources.push_async_callback(ownership.stop)
             runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
             app.state.services = Services(
                 registry=registry,

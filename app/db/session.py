@@ -101,7 +101,7 @@ def shown_url(database_url: str) -> str:
     return url.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
-def _pool_options(url: str, pool_size: int) -> dict[str, Any]:
+def _pool_options(url: str, *, pool_size: int) -> dict[str, Any]:
     """The engine's pool settings: PostgreSQL's; SQLite keeps SQLAlchemy's defaults."""
     if not url.startswith("postgresql"):
         return {}
@@ -318,7 +318,9 @@ class Database:
             database_url = f"sqlite:///{scratch / 'memory.db'}"
         url = async_url(database_url)
         # An error's text must not quote statement parameters: they hold message contents.
-        engine = create_async_engine(url, hide_parameters=True, **_pool_options(url, pool_size))
+        engine = create_async_engine(
+            url, hide_parameters=True, **_pool_options(url, pool_size=pool_size)
+        )
         writer: Transactor = AsyncTransactor(engine)
         reads = engine
         if engine.dialect.name == "postgresql":

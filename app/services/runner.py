@@ -97,6 +97,7 @@ class AgentRunner:
 
         A `safe_to_retry` tool is invoked again and its real result kept; any other gets
         the durability error, so the model — not the runner — decides whether to repeat it.
+        SessionConflict when this runner lost the session: it re-runs and writes nothing more.
         """
         index, orphans = orphaned_calls(history)
         results: list[Message] = []

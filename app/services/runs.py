@@ -51,7 +51,8 @@ def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
     """A hash of the request body as parsed JSON, to tell a retry from a different request.
 
     `floats_as_sent`: as the builds before 2026-11-30 stored it, which hashed 12.0 as
-    written (not as the 12 it equals); a key one of them stored must still replay."""
+    written (not as the 12 it equals); a key one of them stored must still replay (to the
+    body as first sent: a retry that spells 12.0 as 12 differs from it there)."""
     parsed = body.model_dump(mode="json", exclude_unset=True)
     canonical = json.dumps(
         parsed if floats_as_sent else _integral_floats_as_ints(parsed),

@@ -9,11 +9,9 @@ fence has its own tests).
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -22,7 +20,7 @@ import pytest
 from app.db import models
 from app.db.journal import journal_store
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository
-from app.db.session import Database, InlineTransactor, asyncpg_dsn
+from app.db.session import Database, asyncpg_dsn
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
@@ -30,6 +28,7 @@ from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd, Turn
 from app.services.ownership import LocalOwnership
 from app.services.pg_ownership import PostgresOwnership
+from tests.support.transactions import Crash, CrashAt, results_sent_uncommitted
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
@@ -584,73 +583,20 @@ async def test_a_continued_run_back_to_running_has_no_finished_at(
     assert stored.runs[crashed.run_id].finished_at is None
 
 
-class Crash(Exception):
-    """Stands for the process ending at a failpoint (which would end this test too)."""
-
-
-class CrashAt(Failpoints):
-    """Armed at one point: reaching it runs `probe` (what a crash there would leave behind
-    is looked at) and raises Crash instead of ending the process."""
-
-    def __init__(self, name: str, probe: Callable[[], None]) -> None:
-        super().__init__({name: 1})
-        self.name, self.probe = name, probe
-
-    def reach(self, name: str) -> None:
-        if name == self.name:
-            self.probe()
-            raise Crash(name)
-
-
-def uncommitted_tool_rows(db: Database) -> int:
-    """How many tool messages the journal's open write transaction has sent, not committed.
-
-    SQLite: read on the writing connection itself, which sees its own uncommitted rows.
-    PostgreSQL: from another connection, the writer's transaction holds the lock an INSERT
-    into `message` takes, while the committed table has no tool message yet."""
-    if db.dialect == "sqlite":
-        assert isinstance(db.writes, InlineTransactor)
-        driver = db.writes._held.dbapi_connection if db.writes._held else None
-        assert isinstance(driver, sqlite3.Connection) and driver.in_transaction
-        return int(driver.execute("SELECT count(*) FROM message WHERE role = 'tool'").fetchone()[0])
-
-    async def look() -> int:
-        conn = await asyncpg.connect(
-            asyncpg_dsn(db.engine.url.render_as_string(hide_password=False))
-        )
-        try:
-            committed = await conn.fetchval("SELECT count(*) FROM message WHERE role = 'tool'")
-            assert committed == 0
-            inserting = await conn.fetchval(
-                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
-                " JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE c.relname = 'message' AND l.mode = 'RowExclusiveLock'"
-                " AND a.state = 'idle in transaction'"
-                " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            )
-            return len(CALLS) if inserting == 1 else 0
-        finally:
-            await conn.close()
-
-    # The probe runs inside the journal's write, on the event loop: look from another thread.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, look()).result(timeout=30)
-
-
 async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(
     db: Database, metrics: Metrics
 ) -> None:
     # CONTRACT §6: `in-write-2` is write #2's rows sent, not yet committed.
-    sent: list[int] = []
+    sent: list[bool] = []
     ownership = LocalOwnership()
-    failpoints = CrashAt("in-write-2", lambda: sent.append(uncommitted_tool_rows(db)))
+    failpoints = CrashAt("in-write-2", lambda: sent.append(results_sent_uncommitted(db, 2)))
     journal = DurableJournal(journal_store(db, ownership.fence_sql), failpoints, ownership, metrics)
     turn = await start(journal, "buy it")
     await journal.record_step(turn, Message.assistant("on it", CALLS))
 
     with pytest.raises(Crash):
         await journal.record_results(turn, results_for(*CALLS))
-    assert sent == [len(CALLS)]  # every result row was sent before the point
+    assert sent == [True]  # write #2's rows were sent, and not committed, at the point
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
     assert stored.session is not None and stored.session.message_count == 2

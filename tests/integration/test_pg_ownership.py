@@ -43,7 +43,7 @@ async def test_a_holder_whose_last_beat_is_past_half_the_takeover_time_dispatche
     async with ownership.hold("s-late"):
         await ownership.check("s-late")  # beat just now: may go on
         monkeypatch.setattr(ownership, "_heartbeat", unanswered)
-        ownership._last_beat = time.monotonic() - 0.4 * TAKEOVER_AFTER_S
+        ownership._last_beat = time.monotonic() - 0.25 * TAKEOVER_AFTER_S
         await ownership.check("s-late")  # late, but not past half
         ownership._last_beat = time.monotonic() - 0.75 * TAKEOVER_AFTER_S
         with pytest.raises(SessionConflict):

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-import asyncpg
 import httpx
 
-from app.db.session import asyncpg_dsn
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     POSTGRES_ONLY,
@@ -29,6 +26,7 @@ from tests.ownership.helpers import (
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
+from tests.support.transactions import SessionRowLock
 
 
 def split(responses: list[httpx.Response]) -> tuple[Json, list[Json]]:
@@ -246,54 +244,6 @@ def test_many_readers_of_long_session_lists_leave_turns_their_connections(
     assert set(statuses) == {200}, statuses
 
 
-class SessionRowLock:
-    """Holds the session's row FOR UPDATE in a transaction of another connection, so that a
-    turn's start write on it waits; `blocked()` says whether a write is waiting on it."""
-
-    def __init__(self, database_url: str, session_id: str) -> None:
-        self._dsn = asyncpg_dsn(database_url)
-        self._session_id = session_id
-        self._locked = threading.Event()
-        self._release = threading.Event()
-        self._thread = threading.Thread(target=asyncio.run, args=(self._hold(),), daemon=True)
-
-    async def _hold(self) -> None:
-        conn = await asyncpg.connect(self._dsn)
-        try:
-            async with conn.transaction():
-                await conn.execute(
-                    "SELECT 1 FROM session WHERE id = $1 FOR UPDATE", self._session_id
-                )
-                self._locked.set()
-                await asyncio.to_thread(self._release.wait, 60)
-        finally:
-            await conn.close()
-
-    def blocked(self) -> bool:
-        async def count() -> int:
-            conn = await asyncpg.connect(self._dsn)
-            try:
-                return int(
-                    await conn.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND datname = current_database()"
-                    )
-                )
-            finally:
-                await conn.close()
-
-        return asyncio.run(count()) > 0
-
-    def __enter__(self) -> SessionRowLock:
-        self._thread.start()
-        assert self._locked.wait(15), "the row lock was not taken"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._release.set()
-        self._thread.join(15)
-
-
 @POSTGRES_ONLY
 def test_a_refusal_never_names_a_run_that_is_not_stored(
     servers: Servers, database_url: str
@@ -304,7 +254,7 @@ def test_a_refusal_never_names_a_run_that_is_not_stored(
     session = "s-start-waits"
     with server.client() as client:
         ok(client.post("/v1/runs", json=run_body("echo", "first", session)))
-    with SessionRowLock(database_url, session) as lock:
+    with SessionRowLock(database_url, session_id=session) as lock:
         waiting = Background(server.url, run_body("echo", "second", session))
         wait_until(lock.blocked, timeout=15, what="the start write waiting on the row")
         with server.client() as client:

@@ -22,7 +22,13 @@ from app.db.journal.sqlite import SqliteJournalStore
 from app.db.journal.write import JournalStore, JournalWrite
 from app.db.session import Database, InlineTransactor
 
-__all__ = ["JournalStore", "JournalWrite", "PostgresJournalStore", "journal_store"]
+__all__ = [
+    "JournalStore",
+    "JournalWrite",
+    "PostgresJournalStore",
+    "SqliteJournalStore",
+    "journal_store",
+]
 
 
 def journal_store(db: Database, fence_sql: str) -> JournalStore:

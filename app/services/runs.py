@@ -152,6 +152,7 @@ class RunService:
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
         if earlier is not None and earlier.status not in UNFINISHED:
+            logs.bind(run_id=earlier.id)
             replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
             return RunResult(replay, replayed=True)
         active = await self._active_run(busy, turn)
@@ -174,6 +175,7 @@ class RunService:
             # A turn that finished while we waited, or that a later turn has overtaken, is not
             # run again: its stored record is the answer.
             if earlier.status not in UNFINISHED or stored.overtaken:
+                logs.bind(run_id=earlier.id)  # not the id this request would have used
                 replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
                 return RunResult(replay, replayed=True)
             self._continue(turn, earlier, history)

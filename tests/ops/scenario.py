@@ -106,6 +106,7 @@ def run_scenario(tmp: Path, fake: FakeAnthropic, tools: ToolServer) -> Scenario:
             observe(action, lambda: client.post("/v1/runs", json=body, headers=headers or {}))
 
         observe("resume", lambda: client.post("/v1/runs", json=resume_turn, headers=turn_key))
+        observe("replay", lambda: client.post("/v1/runs", json=resume_turn, headers=turn_key))
         run("ok", "triage")
         run("tool_error", "fails")
         run("model_error", "broken-model")

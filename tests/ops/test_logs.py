@@ -108,6 +108,18 @@ def test_lines_written_while_serving_a_durable_run_carry_its_ids(ops: Scenario) 
     assert failpoint[0].get("agent") == "triage"
 
 
+def test_a_replayed_turn_is_logged_under_its_stored_run(ops: Scenario) -> None:
+    resumed, replayed = ops.answers["resume"][1], ops.answers["replay"]
+    assert replayed == (200, resumed)  # the finished keyed turn's stored answer
+    access = [
+        r
+        for r in _records(ops)
+        if r["logger"] == "app.access" and r["path"] == "/v1/runs" and r["method"] == "POST"
+    ]
+    # The resubmission that continued the crashed turn, then the replay: both under its id.
+    assert [r.get("run_id") for r in access].count(resumed["run_id"]) == 2
+
+
 def test_requests_outside_a_run_carry_no_run_ids(ops: Scenario) -> None:
     for record in json_lines(ops.serve_log):
         if record["logger"] == "app.access" and not record["path"].startswith("/v1/runs"):

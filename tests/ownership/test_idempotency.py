@@ -73,8 +73,11 @@ def test_finished_turn_replays_and_a_changed_body_is_refused(
         assert len(fake_model.requests) == model_calls
         assert tool_server.invocations == invocations
 
-        # Keys are scoped to the session: the same key elsewhere is a new turn.
-        other = client.post("/v1/runs", json={**body, "session_id": "s-idem-other"}, headers=KEY)
+        # Keys are scoped to the session: the same key elsewhere is a new turn, also on a
+        # session that exists (a new one never looks its key up).
+        elsewhere = {**body, "session_id": "s-idem-other"}
+        ok(client.post("/v1/runs", json={**elsewhere, "message": "Hello"}))
+        other = client.post("/v1/runs", json=elsewhere, headers=KEY)
         assert "idempotent-replayed" not in other.headers
         assert ok(other)["run_id"] != run["run_id"]
         assert ok(other)["status"] == "complete"

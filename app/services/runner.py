@@ -192,9 +192,7 @@ class AgentRunner:
         try:
             response = await self._complete(request)
         except LLMError as exc:
-            return RunEnd(
-                RunStatus.ERROR, last_text, error_type=exc.type, error_message=exc.message
-            )
+            return _failed(last_text, exc)
         except Exception as exc:  # an adapter bug must end the run, not answer a 500
             log.exception("model call raised", extra={"run_id": turn.run_id})
             return RunEnd(
@@ -214,9 +212,7 @@ class AgentRunner:
         if reused is not None:
             error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")
             log.warning("model answer refused", extra={"error_type": error.type})
-            return RunEnd(
-                RunStatus.ERROR, last_text, error_type=error.type, error_message=error.message
-            )
+            return _failed(last_text, error)
         return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:
@@ -310,6 +306,11 @@ class AgentRunner:
     @staticmethod
     def _context(turn: Turn, call: ToolCall) -> ToolContext:
         return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)
+
+
+def _failed(last_text: str | None, error: LLMError) -> RunEnd:
+    """How a run ends when its model call failed (CONTRACT §3: status `error`)."""
+    return RunEnd(RunStatus.ERROR, last_text, error_type=error.type, error_message=error.message)
 
 
 def _tool_label(call: ToolCall, agent: AgentConfig) -> str:

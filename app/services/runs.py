@@ -152,13 +152,18 @@ class RunService:
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
         if earlier is not None and earlier.status not in UNFINISHED:
-            logs.bind(run_id=earlier.id)
-            replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=body.user_id)
-            return RunResult(replay, replayed=True)
+            return await self._replay(earlier, turn)
         active = await self._active_run(busy, turn)
         if active is None and time.monotonic() < retry_until:
             return None
         raise SessionBusy(body.session_id, active)
+
+    async def _replay(self, earlier: models.Run, turn: Turn) -> RunResult:
+        """The stored answer of the keyed run `earlier`, logged under its id (not the one this
+        request would have used)."""
+        logs.bind(run_id=earlier.id)
+        replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
+        return RunResult(replay, replayed=True)
 
     async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
         assert turn.session_id is not None
@@ -175,9 +180,7 @@ class RunService:
             # A turn that finished while we waited, or that a later turn has overtaken, is not
             # run again: its stored record is the answer.
             if earlier.status not in UNFINISHED or stored.overtaken:
-                logs.bind(run_id=earlier.id)  # not the id this request would have used
-                replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
-                return RunResult(replay, replayed=True)
+                return await self._replay(earlier, turn)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
         journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)

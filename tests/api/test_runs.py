@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
 
 import httpx
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.session import Database
 from tests.api.conftest import build_app
@@ -37,17 +40,24 @@ def assert_completed_triage(body: Json, message: str) -> None:
     assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
 
 
-async def row_counts(database_url: str) -> dict[str, int]:
-    """How many rows each table of the service holds, read from the database itself."""
+@asynccontextmanager
+async def directly(database_url: str) -> AsyncIterator[AsyncConnection]:
+    """A transaction on the service's database itself, past the API."""
     db = await Database.connect(database_url, pool_size=1)
     try:
-        async with db.engine.connect() as conn:
-            return {
-                table: (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
-                for table in ("session", "run", "message")
-            }
+        async with db.engine.begin() as conn:
+            yield conn
     finally:
         await db.dispose()
+
+
+async def row_counts(database_url: str) -> dict[str, int]:
+    """How many rows each table of the service holds, read from the database itself."""
+    async with directly(database_url) as conn:
+        return {
+            table: (await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one()
+            for table in ("session", "run", "message")
+        }
 
 
 async def test_stateless_run_answers_and_writes_nothing(
@@ -321,16 +331,12 @@ async def test_a_key_stored_by_a_build_that_hashed_floats_as_sent_still_replays(
     assert first.status_code == 200, first.text
     as_sent = json.dumps(body, sort_keys=True, separators=(",", ":"))
     old = hashlib.sha256(as_sent.encode()).hexdigest()
-    db = await Database.connect(database_url, pool_size=1)
-    try:
-        async with db.engine.begin() as conn:
-            stored = await conn.execute(
-                text("UPDATE run SET request_fingerprint = :old WHERE id = :id"),
-                {"old": old, "id": first.json()["run_id"]},
-            )
-            assert stored.rowcount == 1
-    finally:
-        await db.dispose()
+    async with directly(database_url) as conn:
+        stored = await conn.execute(
+            text("UPDATE run SET request_fingerprint = :old WHERE id = :id"),
+            {"old": old, "id": first.json()["run_id"]},
+        )
+        assert stored.rowcount == 1
 
     again = await client.post("/v1/runs", json=body, headers=key)
     assert again.status_code == 200, again.text

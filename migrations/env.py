@@ -14,6 +14,7 @@ from sqlalchemy.pool import NullPool
 from app.db.base import UTCDateTime
 from app.db.migrate import MIGRATION_LOCK_KEY
 from app.db.models import Base
+from app.db.session import pg_connector
 
 config = context.config
 target_metadata = Base.metadata
@@ -42,7 +43,9 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async(url: URL) -> None:
-    engine = create_async_engine(url, poolclass=NullPool)
+    # Connected as the service connects (pg_connector), so the URL's options mean the same.
+    connect = pg_connector(url.render_as_string(hide_password=False))
+    engine = create_async_engine(url, poolclass=NullPool, async_creator=connect)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)

@@ -6,7 +6,7 @@ import asyncio
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -76,11 +76,7 @@ def async_url(database_url: str) -> str:
     if backend == "sqlite":
         return url.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
     if backend in ("postgresql", "postgres"):
-        if "sslmode" in url.query:
-            # libpq's name; SQLAlchemy hands query options to asyncpg.connect, which calls it
-            # `ssl` (same values: disable, allow, prefer, require, verify-ca, verify-full).
-            query = {k: v for k, v in url.query.items() if k != "sslmode"}
-            url = url.set(query={**query, "ssl": url.query["sslmode"]})
+        # Only names the dialect: every connection is made by `pg_connector`, from the URL.
         return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
     raise ConfigError(
         f"DATABASE_URL scheme {url.drivername!r} is not supported; "
@@ -111,14 +107,15 @@ def _pool_options(url: str, *, pool_size: int) -> dict[str, Any]:
         # No pre-ping: it costs a round trip per transaction, i.e. per durable write.
         # After an outage the first use of a dead connection fails (503) and makes
         # the pool replace every connection older than that failure.
-        # Fail fast, never hang, when the database is gone: the API answers 503.
+        # Fail fast, never hang, when the database is gone (a connection is given 5 s): the
+        # API answers 503.
         "pool_timeout": 10,
-        "connect_args": {
-            "timeout": 5,
-            "command_timeout": 30,
+        "async_creator": pg_connector(
+            url,
+            command_timeout=30,
             # A stalled runner's open transaction must not block its successor for long.
-            "server_settings": {"idle_in_transaction_session_timeout": "5000"},
-        },
+            server_settings={"idle_in_transaction_session_timeout": "5000"},
+        ),
     }
 
 
@@ -131,9 +128,31 @@ def _scratch_dir() -> Path:
 
 
 def asyncpg_dsn(database_url: str) -> str:
-    """The plain libpq-style DSN asyncpg.connect takes, for a postgresql:// DATABASE_URL."""
+    """The libpq-style URI asyncpg.connect reads, for a postgresql:// DATABASE_URL.
+
+    asyncpg reads libpq's options (sslmode, sslrootcert, passfile, target_session_attrs, …)
+    and sends any other query option as a server setting (application_name, options,
+    search_path, …), as libpq does. `ssl`, asyncpg's own name for sslmode, is read as
+    sslmode."""
     url = make_url(database_url).set(drivername="postgresql")
+    if "ssl" in url.query:
+        query = {k: v for k, v in url.query.items() if k != "ssl"}
+        url = url.set(query={"sslmode": url.query["ssl"], **query})
     return url.render_as_string(hide_password=False)
+
+
+def pg_connector(database_url: str, **options: Any) -> Callable[[], Awaitable[asyncpg.Connection]]:
+    """Opens a connection to a postgresql:// DATABASE_URL: the engine's `async_creator`, so
+    that the engine, the migrations and the ownership connection read the URL alike, as
+    asyncpg does (SQLAlchemy would hand each query option to asyncpg.connect as a keyword,
+    and a libpq option such as application_name would stop the start with a TypeError)."""
+    dsn = asyncpg_dsn(database_url)
+
+    async def connect() -> asyncpg.Connection:
+        connection: asyncpg.Connection = await asyncpg.connect(dsn, timeout=5, **options)
+        return connection
+
+    return connect
 
 
 def _configure_sqlite(engine: Engine, *, begin: str, busy_timeout_ms: int) -> None:

@@ -1,0 +1,77 @@
+"""A postgresql:// DATABASE_URL is read as libpq reads it, by every connection the service makes:
+libpq's options (sslmode), asyncpg's name for sslmode (`ssl`), and any other query option
+sent to the server as a setting (application_name)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from app.db.session import asyncpg_dsn
+from app.serving import agent_runner_command
+from tests.ops.test_startup_refusals import refusal
+from tests.support.server import AgentsServer
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
+
+def _application_names(database_url: str) -> list[str]:
+    """application_name of every other connection to this database."""
+
+    async def read() -> list[str]:
+        conn = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            rows = await conn.fetch(
+                "SELECT application_name FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        finally:
+            await conn.close()
+        return [row["application_name"] for row in rows]
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("ssl_option", ["sslmode", "ssl"])
+def test_libpq_options_reach_every_connection(
+    database_url: str, tmp_path: Path, agents_server: AgentsServer, ssl_option: str
+) -> None:
+    # Such an option stopped `migrate` and `serve` with a TypeError traceback (SQLAlchemy
+    # handed it to asyncpg.connect as a keyword), and `ssl=` reached the engine but not the
+    # ownership connection, so every durable run was 503.
+    name = f"agent-runner-{uuid.uuid4().hex[:8]}"
+    url = f"{database_url}?application_name={name}&{ssl_option}=disable"
+    migrate = subprocess.run(
+        [*agent_runner_command(), "migrate"],
+        env={**os.environ, "DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert migrate.returncode == 0, migrate.stderr
+    server = agents_server(database_url=url)
+    with server, server.client(timeout=30) as client:
+        run = client.post(
+            "/v1/runs", json={"agent": "triage", "message": "issue 7", "session_id": "url-1"}
+        )
+        assert run.status_code == 200, run.text
+        assert run.json()["status"] == "complete"
+        names = _application_names(database_url)
+    # The pool's connections and the ownership's lock connection, all with the URL's name.
+    assert len(names) >= 2 and set(names) == {name}, names
+
+
+def test_an_option_the_server_does_not_know_is_refused_in_one_line(
+    tmp_path: Path, database_url: str
+) -> None:
+    logs = refusal(tmp_path, f"{database_url}?no_such_option=1")
+    assert 'unrecognized configuration parameter "no_such_option"' in logs, logs

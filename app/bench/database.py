@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sqlite3
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import asyncpg
 from sqlalchemy import Column, Integer, MetaData, Table, Text, event, text
 from sqlalchemy.engine import make_url
 
 from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_writes
 from app.db.journal import JournalStore, PostgresJournalStore
-from app.db.session import Database, InlineTransactor
+from app.db.session import Database, InlineTransactor, pg_connector
 from app.services.ownership import Ownership
 
 FLOOR_TABLE = Table(
@@ -116,11 +119,12 @@ class TransactionCounter:
 
 
 async def stored_bytes(db: Database, database_url: str) -> int:
-    """SQLite: the file's size after a WAL checkpoint; PostgreSQL: the scenario tables' size."""
+    """SQLite: the pages the file uses (its free pages, left by deleted rows, not counted);
+    PostgreSQL: the scenario tables' size (in the bench's own schema: see own_schema)."""
     if db.dialect == "sqlite":
         path = make_url(database_url).database
         assert path is not None
-        return await asyncio.to_thread(_checkpointed_size, path)
+        return await asyncio.to_thread(_used_bytes, path)
     async with db.engine.connect() as conn:
         size = await conn.scalar(
             text(
@@ -131,19 +135,47 @@ async def stored_bytes(db: Database, database_url: str) -> int:
     return int(size or 0)
 
 
-def _checkpointed_size(path: str) -> int:
-    conn = sqlite3.connect(path, isolation_level=None)
+def _used_bytes(path: str) -> int:
+    conn = sqlite3.connect(path)
     try:
-        for _ in range(50):
-            busy, _log, _done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            if not busy:
-                break
-            time.sleep(0.01)
-        else:
-            raise BenchError("could not checkpoint the SQLite WAL to measure the file")
+        pages, free, page_size = (
+            conn.execute(f"PRAGMA {name}").fetchone()[0]
+            for name in ("page_count", "freelist_count", "page_size")
+        )
     finally:
         conn.close()
-    return os.path.getsize(path)
+    return int((pages - free) * page_size)
+
+
+@contextmanager
+def own_schema(database_url: str) -> Iterator[str]:
+    """The URL the bench works on: on PostgreSQL, in a schema of its own, dropped at the end,
+    so it leaves nothing in the database and finds no free space there that would hide what
+    its sessions store; any other store as given."""
+    if make_url(database_url).get_backend_name() not in ("postgresql", "postgres"):
+        yield database_url
+        return
+    schema = f"agent_runner_bench_{uuid.uuid4().hex[:12]}"
+    _execute(database_url, f'CREATE SCHEMA "{schema}"', "create the bench's schema")
+    try:
+        url = make_url(database_url).update_query_dict({"search_path": schema})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        _execute(database_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', f"drop {schema}")
+
+
+def _execute(database_url: str, sql: str, what: str) -> None:
+    async def run() -> None:
+        conn = await pg_connector(database_url)()
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(run())
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise BenchError(f"could not {what}: {exc}") from exc
 
 
 async def commit_floor(db: Database, store: JournalStore, options: BenchOptions) -> Stats:

@@ -300,7 +300,8 @@ def _header_rows(report: Report) -> list[str]:
         f" and final answer: {s['messages_per_session']} messages per session",
         f"  {s['sessions']} sessions timed after {s['warmup']} warm-up; medians unless said",
         f"  machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}",
-        f"  database: {m['database']} {m['database_version']} ({m['database_url']})",
+        f"  database: {m['database']} {m['database_version']} ({m['database_url']})"
+        + (", in a schema of its own, dropped at the end" if m["database"] == "postgresql" else ""),
     ]
 
 

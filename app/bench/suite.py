@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
+from app.bench.database import own_schema
 from app.bench.http import measure_http
 from app.bench.report import Report, targets
 from app.bench.scenario import (
@@ -31,10 +32,11 @@ def run_bench(options: BenchOptions) -> Report:
         raise BenchError("the bench needs a durable store: a SQLite file or PostgreSQL")
     with tempfile.TemporaryDirectory(prefix="agent-runner-bench-") as tmp:
         workdir = Path(tmp)
-        url = options.database_url or f"sqlite:///{workdir / 'bench.db'}"
-        upgrade(url)
-        service, version = asyncio.run(measure_service(url, options))
-        http = measure_http(url, options, workdir) if options.http else None
+        given = options.database_url or f"sqlite:///{workdir / 'bench.db'}"
+        with own_schema(given) as url:
+            upgrade(url)
+            service, version = asyncio.run(measure_service(url, options))
+            http = measure_http(url, options, workdir) if options.http else None
     side_effects = service.side_effects + http.side_effects if http else service.side_effects
     report = Report(
         scenario={
@@ -51,9 +53,9 @@ def run_bench(options: BenchOptions) -> Report:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(terse=True),
-            "database": _kind(url),
+            "database": _kind(given),
             "database_version": version,
-            "database_url": shown_url(url),
+            "database_url": shown_url(given),
         },
         service=service,
         http=http,

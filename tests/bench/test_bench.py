@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
 from app.bench.scenario import (
@@ -20,14 +23,17 @@ from app.bench.scenario import (
     messages_per_session,
     step_text,
 )
+from app.db.session import asyncpg_dsn
 from app.domain import Message, Role, ToolCall, ToolResult
 from app.llm.base import ModelRequest
 from tests.support.server import AGENT_RUNNER
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
+LONG_STEPS = 40
 # The journal's writes: the turn's start, write #1 and write #2 of each step, the final write.
 WRITING_TRANSACTIONS = 1 + 2 * STEPS + 1
+TABLES = ("session", "run", "message")
 
 
 def test_the_scenario_is_the_standard_one() -> None:
@@ -77,7 +83,8 @@ def _bench(*args: str) -> dict[str, Any]:
     # This checkout's code, whatever the installed package points at.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
-    small = ["--steps", str(STEPS), "--sessions", "3", "--warmup", "1", "--long-steps", "4"]
+    small = ["--steps", str(STEPS), "--sessions", "3", "--warmup", "1"]
+    small += ["--long-steps", str(LONG_STEPS)]
     result = subprocess.run(
         [AGENT_RUNNER, "bench", *small, "--concurrency", "2", "--json", *args],
         capture_output=True,
@@ -91,13 +98,80 @@ def _bench(*args: str) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.timeout(300)
-def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureRequest) -> None:
-    # SQLite: the default, a fresh file in a temp folder; PostgreSQL: the test database.
-    args = (
-        [] if backend == "sqlite" else ["--database-url", request.getfixturevalue("database_url")]
+def _leave_free_space(database_url: str) -> None:
+    """Store a session of 3,000 messages and delete it: the database keeps the space (SQLite
+    on its free list, PostgreSQL once vacuumed) and reuses it for the next rows."""
+    insert_session = (
+        "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
+        " VALUES ('free-space', 'x', '{}', 0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
     )
-    report = _bench(*args)
+    insert_messages = (
+        "INSERT INTO message (session_key, seq, role, content, is_error, created_at)"
+        " SELECT (SELECT key FROM session WHERE id = 'free-space'), n, 'user', {text}, {false},"
+        " CURRENT_TIMESTAMP FROM ({numbers}) AS numbers"
+    )
+    if database_url.startswith("sqlite"):
+        conn = sqlite3.connect(database_url.removeprefix("sqlite:///"))
+        try:
+            conn.execute(insert_session)
+            numbers = "WITH RECURSIVE c(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM c"
+            numbers += " WHERE n < 3000) SELECT n FROM c"
+            text = "printf('%.400c', 'x')"
+            conn.execute(insert_messages.format(text=text, false=0, numbers=numbers))
+            conn.execute("DELETE FROM message")
+            conn.execute("DELETE FROM session")
+            conn.commit()
+        finally:
+            conn.close()
+        return
+
+    async def postgres() -> None:
+        conn = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            await conn.execute(insert_session)
+            numbers = "SELECT generate_series(1, 3000) AS n"
+            sql = insert_messages.format(text="repeat('x', 400)", false="false", numbers=numbers)
+            await conn.execute(sql)
+            await conn.execute("DELETE FROM session")  # its messages go with it
+            await conn.execute("VACUUM message")
+        finally:
+            await conn.close()
+
+    asyncio.run(postgres())
+
+
+def _row_counts(database_url: str) -> tuple[int, ...]:
+    if database_url.startswith("sqlite"):
+        conn = sqlite3.connect(database_url.removeprefix("sqlite:///"))
+        try:
+            return tuple(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES)
+        finally:
+            conn.close()
+
+    async def postgres() -> tuple[int, ...]:
+        conn = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            schemas = await conn.fetchval(
+                "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+            )
+            assert schemas == 0  # the bench dropped its own
+            return tuple([await conn.fetchval(f"SELECT count(*) FROM {t}") for t in TABLES])
+        finally:
+            await conn.close()
+
+    return asyncio.run(postgres())
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_the_two_step_scenario(database_url: str, backend: str) -> None:
+    # On a database that holds free space: it used to hold the rows the long session stored
+    # (on PostgreSQL the growth of the tables read 16 KB for 602 messages).
+    _leave_free_space(database_url)
+    before = _row_counts(database_url)
+    report = _bench("--database-url", database_url)
+    # SQLite: the bench's sessions stay in the file given; PostgreSQL: it left nothing.
+    after = _row_counts(database_url)
+    assert (after == before) == (backend == "postgres"), (before, after)
 
     assert report["machine"]["database"] == ("sqlite" if backend == "sqlite" else "postgresql")
     assert report["scenario"]["steps"] == STEPS
@@ -121,8 +195,9 @@ def test_bench_runs_the_two_step_scenario(backend: str, request: pytest.FixtureR
     assert transactions["lock_statements"] == (0 if backend == "sqlite" else 2)
     assert service["throughput"]["sessions"] == 2
     long = service["long_session"]
-    assert long["steps"] == 4 and long["messages"] == messages_per_session(4)
-    assert long["bytes_stored"] >= 0  # page-granular: a small session may fit in free space
+    assert long["steps"] == LONG_STEPS and long["messages"] == messages_per_session(LONG_STEPS)
+    # Each step stores at least its 200-character text and get_issue's 196-byte result.
+    assert long["bytes_stored"] >= (200 + ISSUE_BYTES) * LONG_STEPS
     assert service["commit_floor"]["transactions"] == 2 * STEPS + 1
     assert report["peak_rss_mb"] > 0
     names = {t["name"] for t in report["targets"]}

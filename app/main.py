@@ -17,7 +17,7 @@ from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
 from app.api.routes import agents, health, runs, sessions
 from app.db.migrate import head_revision
-from app.db.session import Database, asyncpg_dsn
+from app.db.session import Database
 from app.errors import ConfigError
 from app.failpoints import Failpoints
 from app.llm.base import LLMClient
@@ -40,7 +40,7 @@ def build_ownership(db: Database, settings: Settings) -> Ownership:
     """Advisory locks where replicas can share the store (PostgreSQL); in-process otherwise."""
     if db.dialect == "postgresql":
         return PostgresOwnership(
-            asyncpg_dsn(settings.database_url),
+            settings.database_url,
             heartbeat_s=settings.session_heartbeat_s,
             takeover_after_s=settings.session_takeover_after_s,
         )

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import asyncpg
 
-from app.db.session import PG_CONNECTION_ERRORS
+from app.db.session import PG_CONNECTION_ERRORS, pg_connector
 from app.errors import SessionBusy, SessionConflict
 from app.services.ownership import ActiveRuns
 
@@ -75,9 +75,9 @@ def _key_parts(key: int) -> tuple[int, int]:
 class PostgresOwnership:
     """Advisory locks on one connection per process, with heartbeat-based takeover."""
 
-    def __init__(self, dsn: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
+    def __init__(self, database_url: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
         self.active = ActiveRuns()
-        self._dsn = dsn
+        self._open = pg_connector(database_url)
         self._heartbeat_s = heartbeat_s
         self._takeover_after_s = takeover_after_s
         self._conn: asyncpg.Connection | None = None
@@ -157,7 +157,7 @@ class PostgresOwnership:
         return held
 
     async def _connect(self) -> None:
-        conn = await asyncpg.connect(self._dsn, timeout=5)
+        conn = await self._open()
         self._pid = await conn.fetchval("SELECT pg_backend_pid()")
         self._held = set()  # a new connection holds no lock
         self._conn = conn

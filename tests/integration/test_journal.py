@@ -611,7 +611,7 @@ async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
     # A's lock connection dies (as when another replica ends a stalled holder) and B takes
     # the session; A's next write must fail though the message count it expects still holds.
     dsn = asyncpg_dsn(database_url)
-    a, b = (PostgresOwnership(dsn, heartbeat_s=0.5, takeover_after_s=3) for _ in range(2))
+    a, b = (PostgresOwnership(database_url, heartbeat_s=0.5, takeover_after_s=3) for _ in range(2))
     await a.start()
     await b.start()
     admin = await asyncpg.connect(dsn)

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.db.session import asyncpg_dsn
 from app.errors import SessionConflict
 from app.services.pg_ownership import PostgresOwnership
 
@@ -21,9 +20,7 @@ TAKEOVER_AFTER_S = 4.0
 @pytest.fixture
 async def ownership(database_url: str) -> AsyncIterator[PostgresOwnership]:
     # Beats far apart: the test sets how late the last one was.
-    held = PostgresOwnership(
-        asyncpg_dsn(database_url), heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S
-    )
+    held = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
     await held.start()
     try:
         yield held

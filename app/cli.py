@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sqlite3
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import asyncpg
 import click
 import uvicorn
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
 from app.db.migrate import upgrade
-from app.db.session import shown_url
+from app.db.session import check_database_url, check_sqlite_writable, shown_url
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock
@@ -33,9 +36,9 @@ def _settings() -> Settings:
         settings = Settings()
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}"
-            if e["loc"]
-            else e["msg"].removeprefix("Value error, ")  # a check across variables
+            # A check across variables has no loc; "Value error, " is pydantic's prefix.
+            f"{'.'.join(map(str, e['loc'])).upper()}: " * bool(e["loc"])
+            + e["msg"].removeprefix("Value error, ")
             for e in exc.errors()
         )
         raise click.ClickException(f"invalid environment: {problems}") from None
@@ -43,16 +46,28 @@ def _settings() -> Settings:
     return settings
 
 
-def _upgrade(database_url: str) -> None:
-    """Upgrade the schema, or stop with one line saying why the database cannot be used."""
+def _upgrade(database_url: str, *, to_serve: bool = False) -> None:
+    """Upgrade the schema (and, `to_serve`, check a SQLite file can be written), or stop with
+    one line saying why the database cannot be used."""
     try:
         upgrade(database_url)
-    except (DBAPIError, OSError) as exc:
-        cause = exc.orig if isinstance(exc, DBAPIError) else exc
-        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise click.ClickException(
-            f"cannot use the database {shown_url(database_url)}: {reason}"
-        ) from None
+        if to_serve:
+            check_sqlite_writable(database_url)
+    except (DBAPIError, OSError, sqlite3.Error) as exc:
+        raise unusable_database(database_url, exc) from None
+
+
+def unusable_database(database_url: str, exc: BaseException) -> click.ClickException:
+    """One line: the database (its password hidden) and the driver's first line of why."""
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    text = str(cause).strip()
+    if text:
+        reason = text.splitlines()[0]
+    elif isinstance(cause, TimeoutError):
+        reason = "no answer in time (TimeoutError)"
+    else:
+        reason = type(cause).__name__
+    return click.ClickException(f"cannot use the database {shown_url(database_url)}: {reason}")
 
 
 class DrainingServer(uvicorn.Server):
@@ -96,7 +111,7 @@ def serve(host: str, port: int) -> None:
         lock_file = serving_lock_file(settings.database_url)
         if lock_file is not None:  # say so now, not in a traceback from the app's start-up
             os.close(take_serving_lock(lock_file))
-        _upgrade(settings.database_url)
+        _upgrade(settings.database_url, to_serve=True)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     config = uvicorn.Config(
@@ -127,6 +142,21 @@ def migrate() -> None:
     click.echo("schema is at the newest migration")
 
 
+def _stop_as_ctrl_c() -> None:
+    """SIGTERM and SIGHUP stop the bench as Ctrl-C does, which cleans up (its server, its
+    PostgreSQL schema, its temp folder): whatever handles SIGINT then (asyncio.run cancels
+    its task) handles them. A background job starts with SIGINT ignored: restored first."""
+
+    def stop(_signum: int, frame: FrameType | None) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(name, stop)
+
+
 @main.command()
 @click.option("--database-url", default=None, help="Default: a fresh SQLite file in a temp folder.")
 @click.option("--sessions", default=30, show_default=True, type=click.IntRange(1))
@@ -153,6 +183,12 @@ def bench(
     from app.bench.suite import run_bench
 
     configure_logging("WARNING", "text")
+    if database_url is not None:
+        try:
+            database_url = check_database_url(database_url)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--database-url") from None
+    _stop_as_ctrl_c()
     options = BenchOptions(
         database_url=database_url,
         sessions=sessions,
@@ -166,4 +202,7 @@ def bench(
         report = run_bench(options)
     except (BenchError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc
+    except (DBAPIError, asyncpg.PostgresError, OSError, sqlite3.Error) as exc:
+        # database_url is None: the bench's own file, which is only ever made and used here.
+        raise unusable_database(database_url or "sqlite:///<temp folder>/bench.db", exc) from None
     click.echo(report.to_json() if as_json else render(report))

@@ -95,18 +95,24 @@ class ServeProcess:
             )
 
     def start(self, *, timeout: float = 60) -> Self:
-        """Spawn the server and wait until /healthz answers."""
+        """Spawn the server and wait until /healthz answers; killed if it does not (or the
+        wait is interrupted)."""
         self.process = self._spawn()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.logs()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited with {self.process.returncode}:\n{self.logs()}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                        return self
+                time.sleep(0.05)
+            raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
+        except BaseException:
+            self.kill()
+            raise
 
     def client(self, *, timeout: float = 60) -> httpx.Client:
         """A client for this server."""

@@ -11,6 +11,9 @@ from dotenv import load_dotenv
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.db.session import check_database_url
+from app.errors import ConfigError
+
 
 class Settings(BaseSettings):
     """Environment variables as named in CONTRACT.md §5."""
@@ -45,6 +48,14 @@ class Settings(BaseSettings):
                 f" {self.session_heartbeat_s:g})"
             )
         return self
+
+    @field_validator("database_url")
+    @classmethod
+    def _usable_database_url(cls, value: str) -> str:
+        try:
+            return check_database_url(value)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("log_level", mode="before")
     @classmethod

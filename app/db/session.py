@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import asyncpg
-from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
+from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event, text
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -42,6 +42,16 @@ PG_CONNECTION_ERRORS = (
 )
 
 
+READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."
+
+
+def pg_read_only(exc: BaseException) -> bool:
+    """The statement failed because the database takes no writes (SQLSTATE 25006: a standby,
+    or default_transaction_read_only): an outage for this service, not a bug."""
+    driver_error = getattr(exc, "orig", exc)  # SQLAlchemy's DBAPIError wraps the driver's
+    return getattr(driver_error, "sqlstate", None) == "25006"
+
+
 def _configure_postgres(engine: Engine) -> None:
     @event.listens_for(engine, "handle_error")
     def _on_error(context: ExceptionContext) -> None:
@@ -55,33 +65,120 @@ def _configure_postgres(engine: Engine) -> None:
 
 
 def sqlite_file(database_url: str) -> Path | None:
-    """The file of a SQLite database URL; None for memory://, PostgreSQL, in-memory SQLite."""
+    """The file of a SQLite database URL (None for memory:// and PostgreSQL), symbolic links
+    resolved: the locks beside it must be found by every spelling of its path."""
     if database_url == MEMORY_URL:
         return None
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite" or not url.database:
         return None
-    return Path(url.database)
+    return Path(url.database).resolve()
+
+
+def check_sqlite_writable(database_url: str) -> None:
+    """Raise sqlite3.Error unless this process can write the (migrated) SQLite file as serving
+    does: a write rolled back ("attempt to write a readonly database" for a read-only file)."""
+    database = sqlite_file(database_url)
+    if database is None:
+        return
+    conn = sqlite3.connect(database, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("UPDATE alembic_version SET version_num = version_num")
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+# libpq options asyncpg does not read: sent on, the server would refuse each as an unknown
+# setting, and some (channel_binding=require) ask for a protection asyncpg cannot give.
+_LIBPQ_ONLY_OPTIONS = frozenset(
+    {
+        "channel_binding",
+        "gssdelegation",
+        "gssencmode",
+        "hostaddr",
+        "keepalives",
+        "keepalives_count",
+        "keepalives_idle",
+        "keepalives_interval",
+        "load_balance_hosts",
+        "replication",
+        "require_auth",
+        "requirepeer",
+        "sslcertmode",
+        "sslcompression",
+        "sslcrldir",
+        "sslsni",
+        "tcp_user_timeout",
+    }
+)
+
+
+def check_database_url(database_url: str) -> str:
+    """A DATABASE_URL this service can use (white space around it dropped), or ConfigError
+    saying why not, without quoting it (it may hold a password)."""
+    database_url = database_url.strip()
+    if not database_url:
+        raise ConfigError("it is empty: unset it for the default, or name a database")
+    if database_url == MEMORY_URL:
+        return database_url
+    if database_url.lower().startswith("memory:"):
+        raise ConfigError(f"write the store that keeps nothing as {MEMORY_URL}, with no path")
+    try:
+        url = make_url(database_url)
+        port = url.port
+    except Exception as exc:  # ArgumentError, or ValueError for a port that is not a number
+        several = "; for several hosts write ?host=a,b&port=p1,p2" if "," in database_url else ""
+        raise ConfigError(f"not a database URL ({exc}){several}") from None
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        if not url.database or url.database == ":memory:" or url.query:
+            raise ConfigError(
+                "a SQLite URL names a file and nothing else (sqlite:///path.db);"
+                f" {MEMORY_URL} is the store that keeps nothing"
+            )
+    elif backend in ("postgresql", "postgres"):
+        if url.host is not None and "@" in url.host:
+            raise ConfigError("write an @ in its user name or password as %40")
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"port {port} is not a TCP port")
+        unread = sorted(_LIBPQ_ONLY_OPTIONS.intersection(url.query))
+        if unread:
+            raise ConfigError(
+                f"asyncpg, the service's PostgreSQL driver, has no option {', '.join(unread)}"
+                f" (libpq's): remove {'them' if len(unread) > 1 else 'it'}"
+            )
+        timeout = url.query.get("connect_timeout")
+        if timeout is not None and not _positive_number(timeout):
+            raise ConfigError("connect_timeout is a number of seconds above 0")
+    else:
+        raise ConfigError(
+            f"scheme {url.drivername!r} is not supported;"
+            f" use sqlite:///path.db, postgresql://user@host/db or {MEMORY_URL}"
+        )
+    return database_url
+
+
+def _positive_number(text: str | tuple[str, ...]) -> bool:
+    try:
+        return isinstance(text, str) and float(text) > 0
+    except ValueError:
+        return False
 
 
 def async_url(database_url: str) -> str:
     """Map a DATABASE_URL of CONTRACT §5 to the async SQLAlchemy URL that serves it."""
     if database_url == MEMORY_URL:
         raise ConfigError("memory:// has no database URL; Database.connect makes its store")
-    try:
-        url = make_url(database_url)
-    except Exception as exc:
-        raise ConfigError(f"DATABASE_URL is not a database URL: {exc}") from exc
-    backend = url.get_backend_name()
-    if backend == "sqlite":
+    url = make_url(check_database_url(database_url))
+    if url.get_backend_name() == "sqlite":
         return url.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
-    if backend in ("postgresql", "postgres"):
-        # Only names the dialect: every connection is made by `pg_connector`, from the URL.
-        return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
-    raise ConfigError(
-        f"DATABASE_URL scheme {url.drivername!r} is not supported; "
-        "use sqlite:///path.db, postgresql://user@host/db or memory://"
-    )
+    # Only names the dialect: every connection is made by `pg_connector`, from the URL.
+    return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
 
 
 # Query options that carry a secret (libpq's names).
@@ -133,23 +230,30 @@ def asyncpg_dsn(database_url: str) -> str:
     asyncpg reads libpq's options (sslmode, sslrootcert, passfile, target_session_attrs, …)
     and sends any other query option as a server setting (application_name, options,
     search_path, …), as libpq does. `ssl`, asyncpg's own name for sslmode, is read as
-    sslmode."""
+    sslmode; libpq's fallback_application_name as application_name when that is not set;
+    connect_timeout is pg_connector's."""
     url = make_url(database_url).set(drivername="postgresql")
-    if "ssl" in url.query:
-        query = {k: v for k, v in url.query.items() if k != "ssl"}
-        url = url.set(query={"sslmode": url.query["ssl"], **query})
-    return url.render_as_string(hide_password=False)
+    query = dict(url.query)
+    if "ssl" in query:
+        query.setdefault("sslmode", query.pop("ssl"))
+    fallback = query.pop("fallback_application_name", None)
+    if fallback is not None:
+        query.setdefault("application_name", fallback)
+    query.pop("connect_timeout", None)
+    return url.set(query=query).render_as_string(hide_password=False)
 
 
 def pg_connector(database_url: str, **options: Any) -> Callable[[], Awaitable[asyncpg.Connection]]:
     """Opens a connection to a postgresql:// DATABASE_URL: the engine's `async_creator`, so
     that the engine, the migrations and the ownership connection read the URL alike, as
     asyncpg does (SQLAlchemy would hand each query option to asyncpg.connect as a keyword,
-    and a libpq option such as application_name would stop the start with a TypeError)."""
+    and a libpq option such as application_name would stop the start with a TypeError).
+    A connection is given the URL's connect_timeout, 5 s without one."""
     dsn = asyncpg_dsn(database_url)
+    timeout = float(str(make_url(database_url).query.get("connect_timeout", 5)))
 
     async def connect() -> asyncpg.Connection:
-        connection: asyncpg.Connection = await asyncpg.connect(dsn, timeout=5, **options)
+        connection: asyncpg.Connection = await asyncpg.connect(dsn, timeout=timeout, **options)
         return connection
 
     return connect
@@ -304,7 +408,9 @@ def _driver_transaction(driver: sqlite3.Connection, body: Callable[[sqlite3.Conn
 
 
 def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
-    engine = create_engine(database_url, connect_args={"check_same_thread": False})
+    # The standard library's driver, whichever the URL names (sqlite+aiosqlite:// is accepted).
+    url = make_url(database_url).set(drivername="sqlite")
+    engine = create_engine(url, connect_args={"check_same_thread": False})
     # IMMEDIATE takes the write lock up front: a body fails at BEGIN or not at all.
     _configure_sqlite(engine, begin="BEGIN IMMEDIATE", busy_timeout_ms=busy_timeout_ms)
     return engine
@@ -366,6 +472,15 @@ class Database:
             async with engine.begin() as conn:
                 await conn.run_sync(Base.metadata.create_all)
         return db
+
+    async def read_only(self) -> bool:
+        """PostgreSQL: whether the database takes no writes now (a standby, or
+        default_transaction_read_only); a SQLite file is never read-only once served."""
+        if self.dialect != "postgresql":
+            return False
+        async with self.engine.connect() as conn:
+            sql = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+            return bool(await conn.scalar(text(sql)))
 
     async def dispose(self) -> None:
         """Close every connection."""

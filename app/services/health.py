@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.db.migrate import database_revision
-from app.db.session import Database
+from app.db.session import READ_ONLY_DETAIL, Database
 from app.errors import DatabaseUnavailable, SchemaOutOfDate
 from app.services.ownership import Ownership
 
@@ -22,10 +22,13 @@ class HealthService:
         try:
             revision = await database_revision(self.db)
             await self.ownership.ping()
+            read_only = await self.db.read_only()
         except Exception as exc:
             raise DatabaseUnavailable(
                 f"The database cannot be reached ({type(exc).__name__})."
             ) from exc
+        if read_only:
+            raise DatabaseUnavailable(READ_ONLY_DETAIL)
         if revision != self.head_revision:
             raise SchemaOutOfDate(
                 f"The schema is at {revision!r}, not {self.head_revision!r}; "

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from app.bench.scenario import (
     messages_per_session,
     step_text,
 )
-from app.db.session import asyncpg_dsn
+from app.db.session import asyncpg_dsn, shown_url
 from app.domain import Message, Role, ToolCall, ToolResult
 from app.llm.base import ModelRequest
 from tests.support.server import AGENT_RUNNER
@@ -210,3 +214,123 @@ def test_bench_runs_the_two_step_scenario(database_url: str, backend: str) -> No
     assert met["every side effect ran exactly once"] is True
     # Sessions per second has a target on PostgreSQL only.
     assert (met["sessions/s at 2 concurrent"] is None) == (backend == "sqlite")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _bench_schemas(database_url: str) -> int:
+    async def count() -> int:
+        conn = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            sql = "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+            return int(await conn.fetchval(sql))
+        finally:
+            await conn.close()
+
+    return asyncio.run(count())
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+@pytest.mark.parametrize("when", ["service layer", "server starting", "http"])
+@pytest.mark.timeout(300)
+def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
+    database_url: str, tmp_path: Path, when: str
+) -> None:
+    # SIGTERM (a CI job cancelled, a closed terminal's SIGHUP) left the bench's schema and
+    # temp folder, and in the HTTP part its `agent-runner serve`, running for good.
+    bench = subprocess.Popen(
+        [
+            AGENT_RUNNER,
+            "bench",
+            "--database-url",
+            database_url,
+            "--sessions",
+            "200",
+            "--long-steps",
+            "20",
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _until(lambda: _bench_schemas(database_url) == 1, "made its schema")
+        servers: list[int] = []
+        if when != "service layer":
+
+            def serving() -> bool:
+                servers[:] = _children(bench.pid)
+                return bool(servers)
+
+            _until(serving, "served")
+            if when == "http":
+                time.sleep(5)  # started, and running sessions
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        bench.kill()
+    assert bench.returncode == 1 and stderr.rstrip().endswith("Aborted!"), stderr
+    assert _bench_schemas(database_url) == 0
+    assert not list(tmp_path.glob("agent-runner-bench-*"))
+    for pid in servers:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"server {pid} runs"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_database_url_the_bench_cannot_use_is_refused_in_one_line() -> None:
+    result = subprocess.run(
+        [AGENT_RUNNER, "bench", "--database-url", "sqlite:///x.db?mode=ro"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: Invalid value for --database-url: a SQLite URL names a file and nothing else"
+        " (sqlite:///path.db); memory:// is the store that keeps nothing"
+    ), result.stderr
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_a_database_the_bench_cannot_use_is_named_in_one_line(database_url: str) -> None:
+    # Every statement times out, so the upgrade fails: it was a traceback.
+    url = f"{database_url}?options=-c%20statement_timeout%3D1"
+    result = subprocess.run(
+        [AGENT_RUNNER, "bench", "--no-http", "--database-url", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"Error: cannot use the database {shown_url(url)}:"
+        " canceling statement due to statement timeout"
+    ], result.stderr

@@ -75,3 +75,22 @@ def test_an_option_the_server_does_not_know_is_refused_in_one_line(
 ) -> None:
     logs = refusal(tmp_path, f"{database_url}?no_such_option=1")
     assert 'unrecognized configuration parameter "no_such_option"' in logs, logs
+
+
+def test_a_read_only_database_is_not_ready_and_answers_503(
+    database_url: str, tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    # A standby, or default_transaction_read_only: /readyz said ready and every durable run
+    # was 500 internal_error.
+    url = f"{database_url}?options=-c%20default_transaction_read_only%3Don"
+    server = agents_server(database_url=url)
+    with server, server.client(timeout=30) as client:
+        ready = client.get("/readyz")
+        run = client.post(
+            "/v1/runs", json={"agent": "triage", "message": "issue 7", "session_id": "ro-1"}
+        )
+        for response in (ready, run):
+            assert response.status_code == 503, response.text
+            assert response.json()["code"] == "database_unavailable"
+            assert "read-only" in response.json()["detail"]
+    assert "Traceback" not in server.logs()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.serving import ServeProcess
+from app.serving import ServeProcess, agent_runner_command
 from tests.support.server import ServerProcess, server_port
 
 
@@ -163,3 +163,85 @@ def test_a_copy_without_its_migrations_is_refused_in_one_line(tmp_path: Path) ->
         assert done.returncode == 1, (command, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr, done.stderr
         assert "run agent-runner from the folder that holds migrations/" in done.stderr, command
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("", "it is empty"),
+        ("  ", "it is empty"),
+        ("garbage", "not a database URL"),
+        ("memory:///", "write the store that keeps nothing as memory://"),
+        ("sqlite://", "a SQLite URL names a file"),
+        ("sqlite:///:memory:", "a SQLite URL names a file"),
+        ("sqlite:///x.db?uri=true", "a SQLite URL names a file"),
+        ("postgresql://u:pw@h:abc/db", "not a database URL"),
+        ("postgresql://u:pw@h:99999/db", "port 99999 is not a TCP port"),
+        ("postgresql://u@h1:5432,h2:5433/db", "for several hosts write ?host=a,b&port=p1,p2"),
+        ("postgresql://u:secret-1@secret-2@h/db", "write an @ in its user name or password"),
+        ("postgresql://h/db?channel_binding=require", "has no option channel_binding"),
+        ("postgresql://h/db?connect_timeout=0", "connect_timeout is a number of seconds"),
+        ("mysql://h/db", "scheme 'mysql' is not supported"),
+    ],
+)
+def test_a_database_url_that_cannot_be_used_is_refused_in_one_line(
+    tmp_path: Path, url: str, reason: str
+) -> None:
+    # Most were tracebacks (a URL SQLAlchemy could not parse, a port that is not a number or
+    # too large); in-memory SQLite served forever without its tables, never ready; a libpq
+    # option asyncpg lacks was the server's "unrecognized configuration parameter".
+    logs = refusal(tmp_path, url)
+    assert logs.strip().startswith("Error: invalid environment: DATABASE_URL: "), logs
+    assert reason in logs, logs
+    assert "secret" not in logs, logs
+
+
+def test_a_sqlite_file_this_process_cannot_write_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Its schema was current, so the upgrade passed, and the start failed in a traceback.
+    database = tmp_path / "read-only.db"
+    url = f"sqlite:///{database}"
+    ServerProcess(database_url=url, log_path=tmp_path / "make.log").start().stop()
+    database.chmod(0o444)
+    # root writes any file: run the command without the capability that lets it.
+    command = [*agent_runner_command(), "serve", "--port", str(server_port())]
+    if os.geteuid() == 0:
+        drop = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all", "--"]
+        command = ["setpriv", *drop, *command]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "DATABASE_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=60,  # had it started, it would serve until killed
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert (
+        f"Error: cannot use the database {url}: attempt to write a readonly database" in done.stderr
+    ), done.stderr
+
+
+def test_the_aiosqlite_scheme_is_served(tmp_path: Path) -> None:
+    # It migrated, then the start failed in a MissingGreenlet traceback.
+    url = f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"
+    server = ServerProcess(database_url=url, log_path=tmp_path / "s.log")
+    with server, server.client() as client:
+        run = client.post(
+            "/v1/runs", json={"agent": "support", "message": "hi", "session_id": "s-1"}
+        )
+        assert run.status_code == 200, run.text
+        assert run.json()["status"] == "complete"
+
+
+def test_a_second_spelling_of_a_served_file_is_refused(tmp_path: Path) -> None:
+    # The lock was taken beside the path as written: a symbolic link to the file (or another
+    # relative spelling) let a second process serve the same file.
+    (tmp_path / "link.db").symlink_to(tmp_path / "x.db")
+    server = ServerProcess(
+        database_url=f"sqlite:///{tmp_path / 'x.db'}", log_path=tmp_path / "s.log"
+    )
+    (tmp_path / "second").mkdir()
+    with server:
+        logs = refusal(tmp_path / "second", f"sqlite:///{tmp_path / 'link.db'}")
+    assert "another process is serving this SQLite database" in logs, logs

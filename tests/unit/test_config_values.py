@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 from sqlalchemy.engine import make_url
 
 from app.api.auth import ApiKeys
-from app.db.session import asyncpg_dsn, shown_url
+from app.db.session import asyncpg_dsn, pg_connector, shown_url
 from app.errors import ConfigError, Unauthorized
 
 
@@ -61,3 +64,25 @@ def test_the_ssl_mode_reaches_asyncpg_by_libpqs_name(option: str, mode: str) -> 
     assert url.drivername == "postgresql"
     assert dict(url.query) == {"sslmode": mode, "application_name": "x"}
     assert (url.username, url.password, url.host, url.database) == ("u", "p", "h", "db")
+
+
+def test_libpqs_fallback_application_name_names_the_connections_when_nothing_else_does() -> None:
+    dsn = make_url(asyncpg_dsn("postgresql://h/db?fallback_application_name=a"))
+    assert dict(dsn.query) == {"application_name": "a"}
+    dsn = make_url(asyncpg_dsn("postgresql://h/db?fallback_application_name=a&application_name=b"))
+    assert dict(dsn.query) == {"application_name": "b"}
+    # connect_timeout is the connector's, not a server setting.
+    assert dict(make_url(asyncpg_dsn("postgresql://h/db?connect_timeout=2")).query) == {}
+
+
+async def test_connect_timeout_is_how_long_a_connection_may_take() -> None:
+    # A server that accepts and never answers: 5 s without the option.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        connect = pg_connector(f"postgresql://u@127.0.0.1:{port}/db?connect_timeout=0.5")
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await connect()
+        assert time.monotonic() - start < 3

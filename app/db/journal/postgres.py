@@ -24,7 +24,7 @@ from app.db.journal.sql import (
 )
 from app.db.journal.write import JournalWrite
 from app.db.repositories import message_to_row
-from app.db.session import PG_CONNECTION_ERRORS
+from app.db.session import PG_CONNECTION_ERRORS, READ_ONLY_DETAIL, pg_read_only
 from app.errors import DatabaseUnavailable, SessionConflict
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,8 @@ class PostgresJournalStore:
         except BaseException as exc:
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
                 await greenlet_spawn(pooled.close)  # the statement failed, not the connection
+                if pg_read_only(exc):
+                    raise DatabaseUnavailable(READ_ONLY_DETAIL) from exc
                 raise
             await greenlet_spawn(pooled.invalidate, exc)
             if isinstance(exc, PG_CONNECTION_ERRORS):

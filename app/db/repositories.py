@@ -104,7 +104,9 @@ class MessageRepository:
 
     async def last_tool_steps(self, session_keys: Sequence[int]) -> dict[int, list[Message]]:
         """Per session, the last assistant message that asked for tools and everything after
-        it (sessions that never asked for a tool are left out): one query for a page."""
+        it (sessions that never asked for a tool are left out): one query for a page. Only
+        what tells which calls wait for a result is read (roles, call ids): contents are
+        left empty, since a tool result may be megabytes."""
         if not session_keys:
             return {}
         message = models.Message
@@ -118,14 +120,16 @@ class MessageRepository:
             .group_by(message.session_key)
             .subquery()
         )
-        rows = await self._s.scalars(
-            select(message)
+        rows = await self._s.execute(
+            select(message.session_key, message.role, message.tool_calls, message.tool_call_id)
             .join(last, (message.session_key == last.c.session_key) & (message.seq >= last.c.seq))
             .order_by(message.session_key, message.seq)
         )
         steps: dict[int, list[Message]] = {}
-        for row in rows:
-            steps.setdefault(row.session_key, []).append(row_to_message(row))
+        for key, role, tool_calls, tool_call_id in rows:
+            calls = [ToolCall(c["id"], c["name"], {}) for c in tool_calls or []]
+            entry = Message(Role(role), "", calls, tool_call_id=tool_call_id)
+            steps.setdefault(key, []).append(entry)
         return steps
 
     async def page(

@@ -33,8 +33,11 @@ class SharedHttpClient:
         """The shared client, created on first call."""
         if self._client is None:
             # Redirects are not followed: a 3xx from a tool endpoint is a misconfiguration and
-            # re-POSTing a side effect elsewhere is not ours to decide.
-            self._client = httpx.AsyncClient(follow_redirects=False)
+            # re-POSTing a side effect elsewhere is not ours to decide. No cap on connections:
+            # a call waiting for one (httpx allows 100) spent its timeout_s in the queue and
+            # was reported timed out, whether or not it was ever sent.
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+            self._client = httpx.AsyncClient(follow_redirects=False, limits=limits)
         return self._client
 
     async def aclose(self) -> None:
@@ -71,7 +74,10 @@ class HttpToolHandler:
                     self.url, json=arguments, headers=headers, timeout=self.timeout_s
                 )
         except (TimeoutError, httpx.TimeoutException) as exc:
-            raise ToolFailed(f"timed out after {self.timeout_s:g}s calling {self.url}") from exc
+            raise ToolFailed(
+                f"timed out after {self.timeout_s:g}s calling {self.url}; it may or may not have"
+                " taken effect"
+            ) from exc
         except httpx.HTTPError as exc:
             detail = str(exc) or type(exc).__name__
             raise ToolFailed(f"request to {self.url} failed: {detail}") from exc

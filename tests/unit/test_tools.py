@@ -31,6 +31,7 @@ from app.tools.registry import ToolRegistry
 SESSION_CTX = ToolContext(session_id="sess-1", run_id="run-1", tool_call_id="toolu_abc")
 STATELESS_CTX = ToolContext(session_id=None, run_id="run-9", tool_call_id="toolu_xyz")
 SLOW_ENDPOINT_S = 2.0  # well past the 0.05 s timeout, however loaded the machine
+A_WHILE_S = 2.0
 
 
 # --- a real HTTP server in a thread -----------------------------------------------------------
@@ -67,6 +68,9 @@ def build_app(seen: list[Seen]) -> Starlette:
         if name == "slow":
             await asyncio.sleep(SLOW_ENDPOINT_S)
             return JSONResponse({"late": True})
+        if name == "a-while":
+            await asyncio.sleep(A_WHILE_S)
+            return JSONResponse({"done": True})
         if name == "text":
             return PlainTextResponse("plain words")
         if name == "empty":
@@ -106,6 +110,7 @@ def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:
         for name in ("echo", "scalar", "unavailable", "bad-request", "text", "empty", "redirect")
     }
     tools["slow"] = f'    slow:\n      http: {{url: "{base}/slow", timeout_s: 0.05}}\n'
+    tools["a-while"] = f'    a-while:\n      http: {{url: "{base}/a-while", timeout_s: 3.5}}\n'
     tools["headers"] = (
         f'    headers:\n      http: {{url: "{base}/echo", headers: {{X-Api-Key: secret}}}}\n'
     )
@@ -178,6 +183,17 @@ async def test_http_empty_2xx_is_null(registry: ToolRegistry) -> None:
     assert (result.is_error, result.content) == (False, "null")
 
 
+async def test_http_calls_at_once_do_not_queue_for_a_connection(registry: ToolRegistry) -> None:
+    # httpx's default pool holds 100 connections: the 101st call waited for one, and its
+    # timeout_s ran out in that queue (results "timed out" for calls that ran, or were never
+    # sent). 150 calls of 2 s each, 3.5 s allowed: the queued ones needed 4 s.
+    calls = [ToolCall(f"toolu_{i}", "a-while", {}) for i in range(150)]
+    results = await asyncio.gather(
+        *(registry.execute(call, SESSION_CTX, allowed=registry.tools) for call in calls)
+    )
+    assert [json.loads(r.content) for r in results] == [{"done": True}] * 150
+
+
 async def test_http_non_2xx_is_an_error_with_a_body_excerpt(
     registry: ToolRegistry, server: LocalServer
 ) -> None:
@@ -206,6 +222,7 @@ async def test_http_timeout(registry: ToolRegistry) -> None:
     started = time.monotonic()
     message = error_of(await run(registry, "slow", {}))
     assert message.startswith("timed out after 0.05s")
+    assert message.endswith("; it may or may not have taken effect")
     assert time.monotonic() - started < SLOW_ENDPOINT_S
 
 

@@ -177,6 +177,7 @@ def cut_off(lifecycle: Lifecycle) -> ShuttingDown | None:
     if not lifecycle.cancelled_by_shutdown():
         return None
     return ShuttingDown(
-        "This replica shut down before the run finished. Resubmit the same session_id (and"
-        " Idempotency-Key) to resume it: every step it finished is stored."
+        "This replica shut down before it could answer. Resubmit the same session_id (and"
+        " Idempotency-Key, which answers a finished run from its record) to resume it: every"
+        " step it finished is stored."
     )

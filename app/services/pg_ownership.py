@@ -116,7 +116,9 @@ class PostgresOwnership:
                 yield
             finally:
                 self._held.discard(session_id)
-                await self._unlock(key)
+                # Shielded: a shutdown that cancels its request here (the turn stored) must
+                # not leave the lock held on a connection that lives on.
+                await asyncio.shield(self._unlock(key))
         finally:
             self.active.release(session_id)
 

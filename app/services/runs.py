@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -136,7 +137,7 @@ class RunService:
                         if refused is None:  # the holder left without running a turn
                             continue
                         return refused
-                    return await self._run_owned(turn, body)
+                    return await _answer(await self._run_owned(turn, body), stack)
         except SessionConflict as lost:  # another runner took the session over: name its run
             active = await self._active_run(lost, turn)
             raise SessionConflict(body.session_id, active) from lost
@@ -339,3 +340,16 @@ def run_summary(run: models.Run, *, held: bool) -> RunSummary:
         created_at=run.created_at,
         finished_at=run.finished_at,
     )
+
+
+async def _answer(result: RunResult, held: AsyncExitStack) -> RunResult:
+    """Release the session and answer the turn, which is stored by now. Shutdown may cancel
+    the release (on PostgreSQL a round trip): the answer stands all the same, since a 503
+    "cut off before the run finished" would have its client run the finished turn again."""
+    try:
+        await held.aclose()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or task.uncancel() > 0:
+            raise  # cancelled again meanwhile: not ours to swallow
+    return result

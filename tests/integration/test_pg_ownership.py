@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
+from app.db.session import Database
+from app.domain import RunStatus
 from app.errors import SessionConflict
+from app.failpoints import Failpoints
+from app.llm.scripted import ScriptedLLMClient
+from app.metrics import Metrics
+from app.schemas.runs import RunCreate
 from app.services.pg_ownership import PostgresOwnership
+from app.services.runner import AgentRunner
+from app.services.runs import RunService
+from app.tools.agents_file import load_registry
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
@@ -45,3 +55,44 @@ async def test_a_holder_whose_last_beat_is_past_half_the_takeover_time_dispatche
         ownership._last_beat = time.monotonic() - 0.75 * TAKEOVER_AFTER_S
         with pytest.raises(SessionConflict):
             await ownership.check("s-late")
+
+
+async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
+    database_url: str, ownership: PostgresOwnership, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shutdown cancels the requests still running when its grace is over; one cancelled
+    # while releasing its session (a round trip here) had already stored its turn, and was
+    # answered 503 "shut down before the run finished": its client ran the turn again.
+    # (Staged here: a release that takes a while; over HTTP the window is milliseconds.)
+    db = await Database.connect(database_url, pool_size=2)
+    registry = load_registry(None)  # the example agents, on scripted models
+    metrics = Metrics()
+    runner = AgentRunner(llm=ScriptedLLMClient(), registry=registry, metrics=metrics)
+    service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
+    releasing = asyncio.Event()
+    unlock = ownership._unlock
+
+    async def slow_unlock(key: int) -> None:
+        releasing.set()
+        await asyncio.sleep(0.5)
+        await unlock(key)
+
+    monkeypatch.setattr(ownership, "_unlock", slow_unlock)
+    body = RunCreate(agent="support", message="where is my order?", session_id="s-cut")
+    try:
+        turn = asyncio.create_task(service.create(body, tenant_id=None))
+        await releasing.wait()
+        turn.cancel()
+        result = await turn
+        assert result.run.status is RunStatus.COMPLETE
+        # The release went on regardless: the session takes its next turn.
+        deadline = time.monotonic() + 5
+        while await ownership.is_held("s-cut"):
+            assert time.monotonic() < deadline, "the session stayed locked"
+            await asyncio.sleep(0.05)
+        monkeypatch.setattr(ownership, "_unlock", unlock)
+        again = await service.create(body, tenant_id=None)
+        assert again.run.status is RunStatus.COMPLETE
+    finally:
+        await registry.aclose()
+        await db.dispose()

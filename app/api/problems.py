@@ -13,7 +13,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.session import READ_ONLY_DETAIL, pg_read_only
+from app.db.session import POOL_BUSY_DETAIL, READ_ONLY_DETAIL, pg_read_only
 from app.errors import (
     AppError,
     DatabaseUnavailable,
@@ -112,6 +112,9 @@ async def _database_error(_: Request, exc: Exception) -> JSONResponse:
     if pg_read_only(exc):
         log.warning("database unavailable: it is read-only")
         return problem_response(DatabaseUnavailable(READ_ONLY_DETAIL))
+    if isinstance(exc, PoolTimeoutError):
+        log.warning("database connections all in use")
+        return problem_response(DatabaseUnavailable(POOL_BUSY_DETAIL))
     if not _is_outage(exc):  # handled here, never raised again: log its traceback now
         log.error("unhandled database error", exc_info=exc)
         return _internal_error()

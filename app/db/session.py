@@ -43,6 +43,7 @@ PG_CONNECTION_ERRORS = (
 
 
 READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."
+POOL_BUSY_DETAIL = "This replica's database connections are all in use; retry later."
 
 
 def pg_read_only(exc: BaseException) -> bool:

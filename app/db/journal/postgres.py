@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+from sqlalchemy import PoolProxiedConnection
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
 
@@ -24,10 +27,18 @@ from app.db.journal.sql import (
 )
 from app.db.journal.write import JournalWrite
 from app.db.repositories import message_to_row
-from app.db.session import PG_CONNECTION_ERRORS, READ_ONLY_DETAIL, pg_read_only
+from app.db.session import (
+    PG_CONNECTION_ERRORS,
+    POOL_BUSY_DETAIL,
+    READ_ONLY_DETAIL,
+    pg_read_only,
+)
 from app.errors import DatabaseUnavailable, SessionConflict
 
 log = logging.getLogger(__name__)
+
+# How long a durable write waits for a pooled connection while all are in use.
+JOURNAL_CHECKOUT_WAIT_S = 120
 
 
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
@@ -107,13 +118,7 @@ class PostgresJournalStore:
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
         a statement error is invalidated, and on a lost connection the whole pool with it."""
-        try:
-            pooled = await self.engine.raw_connection()
-        except Exception as exc:
-            # No connection could be had (refused, the pool exhausted): the pool raises the
-            # driver's own error, which no handler of SQLAlchemy's errors knows.
-            log.warning("database unavailable: no connection: %s", type(exc).__name__)
-            raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
+        pooled = await self._checkout()
         try:
             raw = pooled.driver_connection
             assert raw is not None
@@ -142,6 +147,26 @@ class PostgresJournalStore:
         for observer in self.observers:
             observer(1)
         return value
+
+    async def _checkout(self) -> PoolProxiedConnection:
+        """A pooled connection. While every one is in use the write waits its turn, for up to
+        JOURNAL_CHECKOUT_WAIT_S, not the pool's 10 s: the turn that writes holds its session
+        and may have run tools whose results would be lost (the requests that wait the
+        pool's 10 s and give up are those that have not written yet)."""
+        deadline = time.monotonic() + JOURNAL_CHECKOUT_WAIT_S
+        while True:
+            try:
+                return await self.engine.raw_connection()
+            except PoolTimeoutError as exc:
+                if time.monotonic() < deadline:
+                    continue
+                log.warning("database connections all in use for %ss", JOURNAL_CHECKOUT_WAIT_S)
+                raise DatabaseUnavailable(POOL_BUSY_DETAIL) from exc
+            except Exception as exc:
+                # No connection could be made (refused, the database gone): the pool raises
+                # the driver's own error, which no handler of SQLAlchemy's errors knows.
+                log.warning("database unavailable: no connection: %s", type(exc).__name__)
+                raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
 
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)

@@ -1,0 +1,114 @@
+"""PostgreSQL: while every pooled connection is in use, a turn whose tools ran waits for one
+instead of giving up and losing their results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from app.db.session import asyncpg_dsn
+from tests.ops.helpers import wait_for
+from tests.support.server import AgentsServer
+from tests.support.tool_server import ToolServer
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
+POOL_TIMEOUT_S = 10  # the engine's pool_timeout (app/db/session.py)
+
+
+class TableLock:
+    """An ACCESS EXCLUSIVE lock on `message`, held by another client until released: every
+    statement of the server that reads or writes messages waits, holding its connection."""
+
+    def __init__(self, database_url: str) -> None:
+        self._dsn = asyncpg_dsn(database_url)
+        self._loop = asyncio.new_event_loop()
+        self._conn: asyncpg.Connection | None = None
+
+    def take(self) -> None:
+        async def take() -> None:
+            self._conn = await asyncpg.connect(self._dsn)
+            await self._conn.execute("BEGIN; LOCK TABLE message IN ACCESS EXCLUSIVE MODE")
+
+        self._loop.run_until_complete(take())
+
+    def waiting(self) -> int:
+        """How many other backends of this database wait for a lock."""
+
+        async def count() -> int:
+            assert self._conn is not None
+            sql = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            # Inside the lock's transaction: a fresh look at the activity, not the first one.
+            await self._conn.execute("SELECT pg_stat_clear_snapshot()")
+            return int(await self._conn.fetchval(sql))
+
+        return self._loop.run_until_complete(count())
+
+    def release(self) -> None:
+        async def release() -> None:
+            if self._conn is not None:
+                await self._conn.close()  # its transaction, and the lock, end with it
+
+        self._loop.run_until_complete(release())
+        self._loop.close()
+
+
+def _in_thread(post: Callable[[], httpx.Response]) -> tuple[threading.Thread, list[httpx.Response]]:
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(post()), daemon=True)
+    thread.start()
+    return thread, answers
+
+
+@pytest.mark.timeout(180)
+def test_a_turn_whose_tools_ran_waits_for_a_connection_and_keeps_their_results(
+    database_url: str, tmp_path: Path, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    # Its write #2 gave up after the pool's 10 s with 503: the result of a side effect that
+    # had run was lost (the resubmission stored a durability error in its place).
+    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "1"})
+    lock = TableLock(database_url)
+    with server, server.client(timeout=120) as client:
+
+        def run(agent: str, session_id: str) -> httpx.Response:
+            body = {"agent": agent, "message": "issue 7", "session_id": session_id}
+            return client.post("/v1/runs", json=body)
+
+        held, held_answer = _in_thread(lambda: run("slow", "held"))
+        wait_for(tool_server.in_flight.is_set, timeout=30, what="slow_post in flight")
+        lock.take()
+        try:
+            # Two turns take the pool's two connections (DATABASE_POOL_SIZE=1, and as many
+            # more under load) and wait on the lock with them.
+            others = [_in_thread(partial(run, "triage", f"other-{i}")) for i in range(2)]
+            wait_for(lambda: lock.waiting() == 2, timeout=30, what="both connections waiting")
+            tool_server.release()  # slow_post answers: its write #2 needs a connection
+            time.sleep(POOL_TIMEOUT_S + 2)
+        finally:
+            lock.release()
+        for thread, _ in [(held, held_answer), *others]:
+            thread.join(timeout=60)
+        [answer] = held_answer
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "complete"
+        for _, [other] in others:
+            assert other.status_code == 200, other.text
+        messages = client.get("/v1/sessions/held/messages").json()["data"]
+    [result] = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+    assert (result["is_error"], json.loads(result["content"])) == (False, {"ok": True})
+    assert tool_server.count("slow_post") == 1

@@ -7,6 +7,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
@@ -91,11 +92,21 @@ def downgrade(database_url: str, revision: str) -> None:
         command.downgrade(alembic_config(database_url), revision)
 
 
-async def database_revision(db: Database) -> str | None:
-    """The schema's revision (None for memory://, which has none), read on a new connection:
+@dataclass(frozen=True)
+class DatabaseState:
+    revision: str | None  # None for memory://, which has none
+    read_only: bool  # PostgreSQL takes no writes now (a standby, default_transaction_read_only)
+
+
+async def database_state(db: Database) -> DatabaseState:
+    """The schema's revision and whether the database takes writes, read on one connection:
     raises whatever the driver raises when the database does not answer."""
     async with db.engine.connect() as conn:
         if not db.durable:
             await conn.execute(text("SELECT 1"))
-            return None
-        return await current_revision(conn)
+            return DatabaseState(None, read_only=False)
+        revision = await current_revision(conn)
+        if db.dialect != "postgresql":
+            return DatabaseState(revision, read_only=False)
+        sql = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+        return DatabaseState(revision, read_only=bool(await conn.scalar(text(sql))))

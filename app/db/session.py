@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import asyncpg
-from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event, text
+from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -473,15 +473,6 @@ class Database:
             async with engine.begin() as conn:
                 await conn.run_sync(Base.metadata.create_all)
         return db
-
-    async def read_only(self) -> bool:
-        """PostgreSQL: whether the database takes no writes now (a standby, or
-        default_transaction_read_only); a SQLite file is never read-only once served."""
-        if self.dialect != "postgresql":
-            return False
-        async with self.engine.connect() as conn:
-            sql = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
-            return bool(await conn.scalar(text(sql)))
 
     async def dispose(self) -> None:
         """Close every connection."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.db.migrate import database_revision
+from app.db.migrate import database_state
 from app.db.session import READ_ONLY_DETAIL, Database
 from app.errors import DatabaseUnavailable, SchemaOutOfDate
 from app.services.ownership import Ownership
@@ -20,18 +20,17 @@ class HealthService:
         """The schema's revision, once the database and the ownership connection answer and
         the schema is at the newest migration; else DatabaseUnavailable or SchemaOutOfDate."""
         try:
-            revision = await database_revision(self.db)
+            state = await database_state(self.db)
             await self.ownership.ping()
-            read_only = await self.db.read_only()
         except Exception as exc:
             raise DatabaseUnavailable(
                 f"The database cannot be reached ({type(exc).__name__})."
             ) from exc
-        if read_only:
+        if state.read_only:
             raise DatabaseUnavailable(READ_ONLY_DETAIL)
-        if revision != self.head_revision:
+        if state.revision != self.head_revision:
             raise SchemaOutOfDate(
-                f"The schema is at {revision!r}, not {self.head_revision!r}; "
+                f"The schema is at {state.revision!r}, not {self.head_revision!r}; "
                 "run `agent-runner migrate`."
             )
-        return revision
+        return state.revision

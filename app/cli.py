@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
 from app.db.migrate import upgrade
-from app.db.session import check_database_url, check_sqlite_writable, shown_url
+from app.db.session import MEMORY_URL, check_database_url, check_sqlite_writable, shown_url
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock
@@ -139,7 +139,10 @@ def migrate() -> None:
         _upgrade(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo("schema is at the newest migration")
+    if settings.database_url == MEMORY_URL:
+        click.echo(f"{MEMORY_URL} keeps nothing: it has no schema to migrate")
+    else:
+        click.echo("schema is at the newest migration")
 
 
 def _stop_as_ctrl_c() -> None:

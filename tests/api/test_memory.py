@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import httpx
 
+from app.serving import agent_runner_command
 from tests.api.helpers import assert_problem, get_ok, run
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.tool_server import ToolServer
@@ -38,3 +42,17 @@ async def test_stateless_runs_work(
 async def test_memory_store_is_ready(memory_client: httpx.AsyncClient) -> None:
     assert (await memory_client.get("/healthz")).status_code == 200
     assert (await memory_client.get("/readyz")).status_code == 200
+
+
+def test_migrate_says_there_is_nothing_to_migrate() -> None:
+    # It said "schema is at the newest migration" of a store that has none.
+    done = subprocess.run(
+        [*agent_runner_command(), "migrate"],
+        env={**os.environ, "DATABASE_URL": "memory://"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "memory:// keeps nothing: it has no schema to migrate\n"

@@ -35,23 +35,24 @@ def _settings() -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        problems = "; ".join(
-            # A check across variables has no loc; "Value error, " is pydantic's prefix.
-            f"{'.'.join(map(str, e['loc'])).upper()}: " * bool(e["loc"])
-            + e["msg"].removeprefix("Value error, ")
-            for e in exc.errors()
-        )
+        problems = "; ".join(_problem(e["loc"], e["msg"]) for e in exc.errors())
         raise click.ClickException(f"invalid environment: {problems}") from None
     configure_logging(settings.log_level, settings.log_format)
     return settings
 
 
-def _upgrade(database_url: str, *, to_serve: bool = False) -> None:
-    """Upgrade the schema (and, `to_serve`, check a SQLite file can be written), or stop with
-    one line saying why the database cannot be used."""
+def _problem(loc: tuple[int | str, ...], msg: str) -> str:
+    """One invalid variable, as `NAME: why` (a check across variables has no name)."""
+    why = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    return f"{'.'.join(map(str, loc)).upper()}: {why}" if loc else why
+
+
+def _usable(database_url: str, *, serving: bool = False) -> None:
+    """Upgrade the schema and, to serve a SQLite file, check this process can write it; or
+    stop with one line saying why the database cannot be used."""
     try:
         upgrade(database_url)
-        if to_serve:
+        if serving:
             check_sqlite_writable(database_url)
     except (DBAPIError, OSError, sqlite3.Error) as exc:
         raise unusable_database(database_url, exc) from None
@@ -111,7 +112,7 @@ def serve(host: str, port: int) -> None:
         lock_file = serving_lock_file(settings.database_url)
         if lock_file is not None:  # say so now, not in a traceback from the app's start-up
             os.close(take_serving_lock(lock_file))
-        _upgrade(settings.database_url, to_serve=True)
+        _usable(settings.database_url, serving=True)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     config = uvicorn.Config(
@@ -136,7 +137,7 @@ def migrate() -> None:
     """Upgrade the schema to the newest migration and exit."""
     settings = _settings()
     try:
-        _upgrade(settings.database_url)
+        _usable(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     if settings.database_url == MEMORY_URL:
@@ -147,17 +148,19 @@ def migrate() -> None:
 
 def _stop_as_ctrl_c() -> None:
     """SIGTERM and SIGHUP stop the bench as Ctrl-C does, which cleans up (its server, its
-    PostgreSQL schema, its temp folder): whatever handles SIGINT then (asyncio.run cancels
-    its task) handles them. A background job starts with SIGINT ignored: restored first."""
+    PostgreSQL schema, its temp folder): whatever handles SIGINT then handles them (asyncio.run
+    cancels its task), or KeyboardInterrupt where SIGINT is ignored (a background job). A
+    signal ignored already (SIGHUP under nohup) stays ignored."""
 
     def stop(_signum: int, frame: FrameType | None) -> None:
         handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(signal.SIGINT, frame)
+        if not callable(handler):
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(name, stop)
+        if signal.getsignal(name) is not signal.SIG_IGN:
+            signal.signal(name, stop)
 
 
 @main.command()
@@ -205,7 +208,13 @@ def bench(
         report = run_bench(options)
     except (BenchError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc
-    except (DBAPIError, asyncpg.PostgresError, OSError, sqlite3.Error) as exc:
+    except (
+        DBAPIError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        OSError,
+        sqlite3.Error,
+    ) as exc:
         # database_url is None: the bench's own file, which is only ever made and used here.
         raise unusable_database(database_url or "sqlite:///<temp folder>/bench.db", exc) from None
     click.echo(report.to_json() if as_json else render(report))

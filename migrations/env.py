@@ -14,7 +14,7 @@ from sqlalchemy.pool import NullPool
 from app.db.base import UTCDateTime
 from app.db.migrate import MIGRATION_LOCK_KEY
 from app.db.models import Base
-from app.db.session import pg_connector
+from app.db.session import async_url, pg_connector
 
 config = context.config
 target_metadata = Base.metadata
@@ -42,10 +42,10 @@ def _run(connection: Connection) -> None:
         context.run_migrations()
 
 
-async def _run_async(url: URL) -> None:
+async def _run_async(database_url: str) -> None:
     # Connected as the service connects (pg_connector), so the URL's options mean the same.
-    connect = pg_connector(url.render_as_string(hide_password=False))
-    engine = create_async_engine(url, poolclass=NullPool, async_creator=connect)
+    connect = pg_connector(database_url)
+    engine = create_async_engine(async_url(database_url), poolclass=NullPool, async_creator=connect)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)
@@ -74,4 +74,4 @@ _url = make_url(_configured)
 if _url.get_backend_name() == "sqlite":
     _run_sqlite(_url)
 else:
-    asyncio.run(_run_async(_url))
+    asyncio.run(_run_async(_configured))

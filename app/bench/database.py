@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import sqlite3
 import time
 import uuid
@@ -21,6 +23,8 @@ from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_w
 from app.db.journal import JournalStore, PostgresJournalStore
 from app.db.session import Database, InlineTransactor, pg_connector
 from app.services.ownership import Ownership
+
+log = logging.getLogger(__name__)
 
 FLOOR_TABLE = Table(
     "bench_commit_floor",
@@ -160,8 +164,17 @@ def own_schema(database_url: str) -> Iterator[str]:
     try:
         url = make_url(database_url).update_query_dict({"search_path": schema})
         yield url.render_as_string(hide_password=False)
-    finally:
-        _execute(database_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', f"drop {schema}")
+    except BaseException:
+        # The bench failed or was stopped: say so, whether or not the schema goes too.
+        with contextlib.suppress(BenchError):
+            _drop(database_url, schema)
+        raise
+    _drop(database_url, schema)
+
+
+def _drop(database_url: str, schema: str) -> None:
+    what = f"drop the bench's schema {schema} (drop it by hand)"
+    _execute(database_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', what)
 
 
 def _execute(database_url: str, sql: str, what: str) -> None:
@@ -174,7 +187,8 @@ def _execute(database_url: str, sql: str, what: str) -> None:
 
     try:
         asyncio.run(run())
-    except (OSError, asyncpg.PostgresError) as exc:
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        log.warning("could not %s: %s", what, exc)
         raise BenchError(f"could not {what}: {exc}") from exc
 
 

@@ -16,7 +16,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.session import MEMORY_URL, Database, async_url, sqlite_file
+from app.db.session import MEMORY_URL, Database, check_database_url, sqlite_file
 from app.errors import ConfigError
 
 # Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.
@@ -43,7 +43,7 @@ def alembic_config(database_url: str | None) -> Config:
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     if database_url is not None:
-        config.attributes["database_url"] = async_url(database_url)
+        config.attributes["database_url"] = check_database_url(database_url)
     return config
 
 

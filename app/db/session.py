@@ -178,8 +178,10 @@ def async_url(database_url: str) -> str:
     url = make_url(check_database_url(database_url))
     if url.get_backend_name() == "sqlite":
         return url.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False)
-    # Only names the dialect: every connection is made by `pg_connector`, from the URL.
-    return url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+    # Only names the dialect: every connection is made by `pg_connector`, from the URL, and
+    # SQLAlchemy would read the query its own way (`?host=a,b` with one port: an error).
+    url = url.set(drivername="postgresql+asyncpg", query={})
+    return url.render_as_string(hide_password=False)
 
 
 # Query options that carry a secret (libpq's names).
@@ -195,9 +197,9 @@ def shown_url(database_url: str) -> str:
     return url.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", "***")
 
 
-def _pool_options(url: str, *, pool_size: int) -> dict[str, Any]:
+def _pool_options(database_url: str, *, pool_size: int) -> dict[str, Any]:
     """The engine's pool settings: PostgreSQL's; SQLite keeps SQLAlchemy's defaults."""
-    if not url.startswith("postgresql"):
+    if make_url(database_url).get_backend_name() == "sqlite":
         return {}
     return {
         "pool_size": pool_size,
@@ -209,7 +211,7 @@ def _pool_options(url: str, *, pool_size: int) -> dict[str, Any]:
         # API answers 503.
         "pool_timeout": 10,
         "async_creator": pg_connector(
-            url,
+            database_url,
             command_timeout=30,
             # A stalled runner's open transaction must not block its successor for long.
             server_settings={"idle_in_transaction_session_timeout": "5000"},
@@ -445,7 +447,7 @@ class Database:
         url = async_url(database_url)
         # An error's text must not quote statement parameters: they hold message contents.
         engine = create_async_engine(
-            url, hide_parameters=True, **_pool_options(url, pool_size=pool_size)
+            url, hide_parameters=True, **_pool_options(database_url, pool_size=pool_size)
         )
         writer: Transactor = AsyncTransactor(engine)
         reads = engine

@@ -350,6 +350,7 @@ async def _answer(result: RunResult, held: AsyncExitStack) -> RunResult:
         await held.aclose()
     except asyncio.CancelledError:
         task = asyncio.current_task()
-        if task is None or task.uncancel() > 0:
-            raise  # cancelled again meanwhile: not ours to swallow
+        if task is None or task.cancelling() > 1:
+            raise  # cancelled more than once: not ours to swallow
+        task.uncancel()
     return result

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
 
 from app.db.session import asyncpg_dsn
 from app.serving import agent_runner_command
@@ -94,3 +95,18 @@ def test_a_read_only_database_is_not_ready_and_answers_503(
             assert response.json()["code"] == "database_unavailable"
             assert "read-only" in response.json()["detail"]
     assert "Traceback" not in server.logs()
+
+
+def test_a_host_list_with_one_port_is_served(
+    database_url: str, tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    # Valid for libpq and asyncpg; SQLAlchemy's own reading of the query refused it in a
+    # traceback (it wants a port per host).
+    url = make_url(database_url)
+    listed = f"postgresql://{url.username}@/{url.database}?host=127.0.0.1,localhost&port={url.port}"
+    server = agents_server(database_url=listed)
+    with server, server.client(timeout=30) as client:
+        run = client.post(
+            "/v1/runs", json={"agent": "triage", "message": "issue 7", "session_id": "hosts-1"}
+        )
+        assert run.status_code == 200, run.text

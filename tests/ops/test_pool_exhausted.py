@@ -15,7 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db.session import asyncpg_dsn
+from app.db.session import POOL_BUSY_DETAIL, asyncpg_dsn
 from tests.ops.helpers import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
@@ -97,8 +97,14 @@ def test_a_turn_whose_tools_ran_waits_for_a_connection_and_keeps_their_results(
             # more under load) and wait on the lock with them.
             others = [_in_thread(partial(run, "triage", f"other-{i}")) for i in range(2)]
             wait_for(lambda: lock.waiting() == 2, timeout=30, what="both connections waiting")
+            # A request that has not written yet gives up after the pool's timeout.
+            busy, busy_answer = _in_thread(partial(run, "triage", "latecomer"))
             tool_server.release()  # slow_post answers: its write #2 needs a connection
-            time.sleep(POOL_TIMEOUT_S + 2)
+            busy.join(timeout=60)
+            [refused] = busy_answer
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["detail"] == POOL_BUSY_DETAIL
+            time.sleep(5)  # past the pool's timeout for write #2 too, with room for a slow start
         finally:
             lock.release()
         for thread, _ in [(held, held_answer), *others]:

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from app.api.auth import ApiKeys
-from app.db.session import asyncpg_dsn, pg_connector, shown_url
+from app.db.session import asyncpg_dsn, check_database_url, pg_connector, shown_url
 from app.errors import ConfigError, Unauthorized
 
 
@@ -86,3 +86,50 @@ async def test_connect_timeout_is_how_long_a_connection_may_take() -> None:
         with pytest.raises(TimeoutError):
             await connect()
         assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("", "it is empty"),
+        ("  ", "it is empty"),
+        ("garbage", "not a database URL"),
+        ("memory:///", "write the store that keeps nothing as memory://"),
+        ("sqlite://", "a SQLite URL names a file"),
+        ("sqlite:///:memory:", "a SQLite URL names a file"),
+        ("sqlite:///x.db?uri=true", "a SQLite URL names a file"),
+        ("postgresql://u:pw@h:abc/db", "not a database URL"),
+        ("postgresql://u:pw@h:99999/db", "port 99999 is not a TCP port"),
+        ("postgresql://u@h1:5432,h2:5433/db", "for several hosts write ?host=a,b&port=p1,p2"),
+        ("postgresql://u:secret-1@secret-2@h/db", "write an @ in its user name or password"),
+        ("postgresql://h/db?channel_binding=require", "has no option channel_binding"),
+        ("postgresql://h/db?keepalives=1&gssencmode=disable", "gssencmode, keepalives"),
+        ("postgresql://h/db?connect_timeout=0", "connect_timeout is a number of seconds"),
+        ("mysql://h/db", "scheme 'mysql' is not supported"),
+    ],
+)
+def test_a_database_url_that_cannot_be_used_says_why_without_quoting_it(
+    url: str, reason: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check_database_url(url)
+    assert reason in str(refused.value)
+    assert "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory://",
+        "sqlite:///relative.db",
+        "sqlite:////abs/x.db",
+        "sqlite+aiosqlite:///x.db",
+        "postgres://u@h/db",
+        "postgresql+asyncpg://u:p%40ss@h:5432/db?sslmode=require&application_name=a",
+        "postgresql://u@/db?host=/var/run/postgresql",
+        "postgresql://u@/db?host=a,b&port=5432",
+        "postgresql://u@h/db?connect_timeout=2.5&options=-c%20search_path%3Dx",
+    ],
+)
+def test_database_urls_a_user_writes_are_taken_as_written(url: str) -> None:
+    assert check_database_url(f"  {url} ") == url

@@ -102,7 +102,11 @@ class PostgresJournalStore:
             statement = self._statements[shape] = _Statement.of(self._sql(shape))
         try:
             claimed = await self.fetchval(
-                statement.sql, statement.args(self._params(write)), write.before_commit
+                statement.sql,
+                statement.args(self._params(write)),
+                write.before_commit,
+                # Once the turn is started: it may have run tools whose results would be lost.
+                patient=write.new_run is None,
             )
         except asyncpg.UniqueViolationError as exc:  # another writer stored these keys first
             raise SessionConflict(write.session_id) from exc
@@ -110,7 +114,12 @@ class PostgresJournalStore:
             raise SessionConflict(write.session_id)
 
     async def fetchval(
-        self, sql: str, args: Sequence[Any], before_commit: Callable[[], None] | None = None
+        self,
+        sql: str,
+        args: Sequence[Any],
+        before_commit: Callable[[], None] | None = None,
+        *,
+        patient: bool = False,
     ) -> Any:
         """One statement in its own transaction on a pooled connection's driver: one round
         trip (two more, BEGIN and COMMIT, only when `before_commit` must run in between).
@@ -118,7 +127,7 @@ class PostgresJournalStore:
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
         a statement error is invalidated, and on a lost connection the whole pool with it."""
-        pooled = await self._checkout()
+        pooled = await self._checkout(patient=patient)
         try:
             raw = pooled.driver_connection
             assert raw is not None
@@ -148,19 +157,19 @@ class PostgresJournalStore:
             observer(1)
         return value
 
-    async def _checkout(self) -> PoolProxiedConnection:
-        """A pooled connection. While every one is in use the write waits its turn, for up to
-        JOURNAL_CHECKOUT_WAIT_S, not the pool's 10 s: the turn that writes holds its session
-        and may have run tools whose results would be lost (the requests that wait the
-        pool's 10 s and give up are those that have not written yet)."""
+    async def _checkout(self, *, patient: bool) -> PoolProxiedConnection:
+        """A pooled connection. While every one is in use a `patient` write (one of a turn
+        that has started: it may have run tools whose results would be lost) waits its turn
+        for JOURNAL_CHECKOUT_WAIT_S and the pool's timeout more; any other gives up after
+        the pool's timeout, as requests that have not started do."""
         deadline = time.monotonic() + JOURNAL_CHECKOUT_WAIT_S
         while True:
             try:
                 return await self.engine.raw_connection()
             except PoolTimeoutError as exc:
-                if time.monotonic() < deadline:
+                if patient and time.monotonic() < deadline:
                     continue
-                log.warning("database connections all in use for %ss", JOURNAL_CHECKOUT_WAIT_S)
+                log.warning("database connections all in use")
                 raise DatabaseUnavailable(POOL_BUSY_DETAIL) from exc
             except Exception as exc:
                 # No connection could be made (refused, the database gone): the pool raises

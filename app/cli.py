@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
 from app.db.migrate import upgrade
-from app.db.session import MEMORY_URL, check_database_url, check_sqlite_writable, shown_url
+from app.db.session import check_sqlite_writable
+from app.db.urls import MEMORY_URL, check_database_url, shown_url
 from app.errors import ConfigError
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock

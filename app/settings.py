@@ -11,7 +11,7 @@ from dotenv import load_dotenv
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.db.session import check_database_url
+from app.db.urls import check_database_url
 from app.errors import ConfigError
 
 

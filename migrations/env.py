@@ -14,7 +14,7 @@ from sqlalchemy.pool import NullPool
 from app.db.base import UTCDateTime
 from app.db.migrate import MIGRATION_LOCK_KEY
 from app.db.models import Base
-from app.db.session import async_url, pg_connector
+from app.db.urls import async_url, pg_connector
 
 config = context.config
 target_metadata = Base.metadata

@@ -21,7 +21,8 @@ from sqlalchemy.engine import make_url
 from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_writes
 from app.db.journal import JournalStore, PostgresJournalStore
-from app.db.session import Database, InlineTransactor, pg_connector
+from app.db.session import Database, InlineTransactor
+from app.db.urls import pg_connector
 from app.services.ownership import Ownership
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from app.bench.scenario import (
 )
 from app.bench.service import measure_service
 from app.db.migrate import upgrade
-from app.db.session import MEMORY_URL, shown_url
+from app.db.urls import MEMORY_URL, shown_url
 
 
 def run_bench(options: BenchOptions) -> Report:

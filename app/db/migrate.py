@@ -16,7 +16,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.session import MEMORY_URL, Database, check_database_url, sqlite_file
+from app.db.session import Database
+from app.db.urls import MEMORY_URL, check_database_url, sqlite_file
 from app.errors import ConfigError
 
 # Alembic keeps its migration context in a process-wide global: one upgrade per process at a time.

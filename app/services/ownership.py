@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from app.db.session import sqlite_file
+from app.db.urls import sqlite_file
 from app.errors import ConfigError, SessionBusy
 
 

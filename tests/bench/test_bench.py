@@ -27,7 +27,7 @@ from app.bench.scenario import (
     messages_per_session,
     step_text,
 )
-from app.db.session import asyncpg_dsn
+from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, ToolCall, ToolResult
 from app.llm.base import ModelRequest
 from tests.support.server import AGENT_RUNNER

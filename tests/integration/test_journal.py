@@ -20,7 +20,8 @@ import pytest
 from app.db import models
 from app.db.journal import journal_store
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository
-from app.db.session import Database, asyncpg_dsn
+from app.db.session import Database
+from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
 from app.errors import SessionConflict
 from app.failpoints import Failpoints

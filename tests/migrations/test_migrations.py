@@ -23,7 +23,7 @@ from sqlalchemy.pool import NullPool
 
 from app.db.base import Base
 from app.db.migrate import current_revision, downgrade, head_revision, upgrade
-from app.db.session import async_url
+from app.db.urls import async_url
 from tests.conftest import PG_ADMIN_URL, REQUIRE_POSTGRES, _pg_admin, _pg_url
 
 TABLES = {"session", "run", "message"}

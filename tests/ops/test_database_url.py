@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from app.db.session import asyncpg_dsn
+from app.db.urls import asyncpg_dsn
 from app.serving import agent_runner_command
 from tests.ops.test_startup_refusals import refusal
 from tests.support.server import AgentsServer

@@ -15,7 +15,8 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db.session import POOL_BUSY_DETAIL, asyncpg_dsn
+from app.db.session import POOL_BUSY_DETAIL
+from app.db.urls import asyncpg_dsn
 from tests.ops.helpers import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer

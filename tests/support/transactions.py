@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
 
-from app.db.session import Database, InlineTransactor, asyncpg_dsn
+from app.db.session import Database, InlineTransactor
+from app.db.urls import asyncpg_dsn
 from app.failpoints import Failpoints
 
 

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from app.api.auth import ApiKeys
-from app.db.session import asyncpg_dsn, check_database_url, pg_connector, shown_url
+from app.db.urls import asyncpg_dsn, check_database_url, pg_connector, shown_url
 from app.errors import ConfigError, Unauthorized
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -10,7 +9,6 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +25,10 @@ from app.bench.scenario import (
     messages_per_session,
     step_text,
 )
-from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, ToolCall, ToolResult
 from app.llm.base import ModelRequest
+from tests.support.pg import on_postgres
+from tests.support.polling import wait_for
 from tests.support.server import AGENT_RUNNER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,19 +128,15 @@ def _leave_free_space(database_url: str) -> None:
             conn.close()
         return
 
-    async def postgres() -> None:
-        conn = await asyncpg.connect(asyncpg_dsn(database_url))
-        try:
-            await conn.execute(insert_session)
-            numbers = "SELECT generate_series(1, 3000) AS n"
-            sql = insert_messages.format(text="repeat('x', 400)", false="false", numbers=numbers)
-            await conn.execute(sql)
-            await conn.execute("DELETE FROM session")  # its messages go with it
-            await conn.execute("VACUUM message")
-        finally:
-            await conn.close()
+    async def postgres(conn: asyncpg.Connection) -> None:
+        await conn.execute(insert_session)
+        numbers = "SELECT generate_series(1, 3000) AS n"
+        sql = insert_messages.format(text="repeat('x', 400)", false="false", numbers=numbers)
+        await conn.execute(sql)
+        await conn.execute("DELETE FROM session")  # its messages go with it
+        await conn.execute("VACUUM message")
 
-    asyncio.run(postgres())
+    on_postgres(database_url, postgres)
 
 
 def _row_counts(database_url: str) -> tuple[int, ...]:
@@ -152,18 +147,12 @@ def _row_counts(database_url: str) -> tuple[int, ...]:
         finally:
             conn.close()
 
-    async def postgres() -> tuple[int, ...]:
-        conn = await asyncpg.connect(asyncpg_dsn(database_url))
-        try:
-            schemas = await conn.fetchval(
-                "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
-            )
-            assert schemas == 0  # the bench dropped its own
-            return tuple([await conn.fetchval(f"SELECT count(*) FROM {t}") for t in TABLES])
-        finally:
-            await conn.close()
+    assert _bench_schemas(database_url) == 0  # the bench dropped its own
 
-    return asyncio.run(postgres())
+    async def postgres(conn: asyncpg.Connection) -> tuple[int, ...]:
+        return tuple([await conn.fetchval(f"SELECT count(*) FROM {t}") for t in TABLES])
+
+    return on_postgres(database_url, postgres)
 
 
 @pytest.mark.timeout(300)
@@ -228,22 +217,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _bench_schemas(database_url: str) -> int:
-    async def count() -> int:
-        conn = await asyncpg.connect(asyncpg_dsn(database_url))
-        try:
-            sql = "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
-            return int(await conn.fetchval(sql))
-        finally:
-            await conn.close()
-
-    return asyncio.run(count())
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not condition():
-        assert time.monotonic() < deadline, f"never {what}"
-        time.sleep(0.1)
+    sql = "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+    return int(on_postgres(database_url, lambda conn: conn.fetchval(sql)))
 
 
 @pytest.mark.postgres
@@ -272,7 +247,7 @@ def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
         text=True,
     )
     try:
-        _until(lambda: _bench_schemas(database_url) == 1, "made its schema")
+        wait_for(lambda: _bench_schemas(database_url) == 1, timeout=120, what="its schema")
         servers: list[int] = []
         if when != "service layer":
 
@@ -280,7 +255,7 @@ def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
                 servers[:] = _children(bench.pid)
                 return bool(servers)
 
-            _until(serving, "served")
+            wait_for(serving, timeout=120, what="its server")
             if when == "http":
                 time.sleep(5)  # started, and running sessions
         bench.send_signal(signal.SIGTERM)
@@ -365,7 +340,7 @@ def test_a_bench_run_under_nohup_ignores_the_hangup(database_url: str) -> None:
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
     )
     try:
-        _until(lambda: _bench_schemas(database_url) == 1, "made its schema")
+        wait_for(lambda: _bench_schemas(database_url) == 1, timeout=120, what="its schema")
         bench.send_signal(signal.SIGHUP)
         _, stderr = bench.communicate(timeout=240)
     finally:

@@ -107,17 +107,6 @@ def write_ops_agents(directory: Path, tools_url: str) -> Path:
     return path
 
 
-def wait_for(
-    predicate: Callable[[], bool], *, timeout: float, interval: float = 0.05, what: str = ""
-) -> None:
-    """Poll until `predicate()` holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(interval)
-
-
 def model_saw(requests: list[Any], text: str) -> bool:
     """Whether any request the fake model received contains `text`."""
     return any(text in json.dumps(body) for body in requests)

@@ -18,8 +18,9 @@ from typing import Any
 
 import httpx
 
-from tests.ops.helpers import RequestLog, Snapshot, model_saw, scrape, wait_for, write_ops_agents
+from tests.ops.helpers import RequestLog, Snapshot, model_saw, scrape, write_ops_agents
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 

@@ -4,19 +4,17 @@ sent to the server as a setting (application_name)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import uuid
 from pathlib import Path
 
-import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from app.db.urls import asyncpg_dsn
 from app.serving import agent_runner_command
 from tests.ops.test_startup_refusals import refusal
+from tests.support.pg import on_postgres
 from tests.support.server import AgentsServer
 
 pytestmark = [
@@ -28,18 +26,11 @@ pytestmark = [
 def _application_names(database_url: str) -> list[str]:
     """application_name of every other connection to this database."""
 
-    async def read() -> list[str]:
-        conn = await asyncpg.connect(asyncpg_dsn(database_url))
-        try:
-            rows = await conn.fetch(
-                "SELECT application_name FROM pg_stat_activity"
-                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            )
-        finally:
-            await conn.close()
-        return [row["application_name"] for row in rows]
-
-    return asyncio.run(read())
+    sql = (
+        "SELECT application_name FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    return [row["application_name"] for row in on_postgres(database_url, lambda c: c.fetch(sql))]
 
 
 @pytest.mark.parametrize("ssl_option", ["sslmode", "ssl"])

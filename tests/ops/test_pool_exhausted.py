@@ -17,7 +17,7 @@ import pytest
 
 from app.db.session import POOL_BUSY_DETAIL
 from app.db.urls import asyncpg_dsn
-from tests.ops.helpers import wait_for
+from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import asyncpg
 import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
 from tests.ops.proxy import TcpProxy
+from tests.support.pg import on_postgres
 from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
@@ -40,14 +39,8 @@ def _problem_code(response: httpx.Response) -> str | None:
 
 
 def _set_revision(database_url: str, revision: str) -> None:
-    async def run() -> None:
-        conn = await asyncpg.connect(database_url.replace("postgresql://", "postgres://", 1))
-        try:
-            await conn.execute("UPDATE alembic_version SET version_num = $1", revision)
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
+    sql = "UPDATE alembic_version SET version_num = $1"
+    on_postgres(database_url, lambda conn: conn.execute(sql, revision))
 
 
 def test_outage_answers_503_fast_and_the_server_recovers_by_itself(

@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ops.helpers import model_saw, wait_for
+from tests.ops.helpers import model_saw
 from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 

@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.ops.helpers import wait_for
+from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
 

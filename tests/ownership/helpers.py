@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -55,15 +54,6 @@ def assert_busy(response: httpx.Response) -> Json:
     retry_after = response.headers.get("retry-after")
     assert retry_after is not None and retry_after.isdigit() and int(retry_after) > 0, retry_after
     return problem
-
-
-def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    """Poll `predicate` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def post_until_not_busy(

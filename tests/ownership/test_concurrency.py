@@ -21,9 +21,9 @@ from tests.ownership.helpers import (
     run_body,
     session_runs,
     session_status,
-    wait_until,
 )
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 from tests.support.transactions import SessionRowLock
@@ -114,7 +114,7 @@ def test_delete_on_another_replica_while_a_run_is_in_progress_names_the_run(
     session = "s-delete-busy"
     fake_model.set_delay(2)  # A's first model call keeps the session held
     on_a = Background(a.url, run_body("triage", "Triage issue 12", session))
-    wait_until(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
+    wait_for(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
     with b.client() as client:
         refused = client.delete(f"/v1/sessions/{session}")
     answer = on_a.join(30)
@@ -193,7 +193,7 @@ def test_a_session_of_another_database_on_the_server_does_not_look_running(
             ok(client.post("/v1/runs", json=run_body("echo", "Hello", session)))
         fake_model.set_delay(3)
         running_here = Background(here.url, run_body("echo", "Hello", session))
-        wait_until(lambda: len(fake_model.requests) == 2, timeout=15, what="the model call")
+        wait_for(lambda: len(fake_model.requests) == 2, timeout=15, what="the model call")
         with here.client() as client:
             assert session_status(client, session) == "running"
         with there.client() as client:
@@ -256,7 +256,7 @@ def test_a_refusal_never_names_a_run_that_is_not_stored(
         ok(client.post("/v1/runs", json=run_body("echo", "first", session)))
     with SessionRowLock(database_url, session_id=session) as lock:
         waiting = Background(server.url, run_body("echo", "second", session))
-        wait_until(lock.blocked, timeout=15, what="the start write waiting on the row")
+        wait_for(lock.blocked, timeout=15, what="the start write waiting on the row")
         with server.client() as client:
             named = assert_busy(client.post("/v1/runs", json=run_body("echo", "third", session)))[
                 "active_run_id"

@@ -27,9 +27,9 @@ from tests.ownership.helpers import (
     run_body,
     session_runs,
     tool_calls,
-    wait_until,
 )
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.tool_server import ToolServer
 
 pytestmark = [pytest.mark.crash, POSTGRES_ONLY]
@@ -83,7 +83,7 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
     body = run_body("triage", "Triage issue 9", session)
     fake_model.set_delay(3)  # A's first model call is still unanswered when it is paused
     on_a = Background(a.url, body)
-    wait_until(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
+    wait_for(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
     a.process.send_signal(signal.SIGSTOP)
     try:
         fake_model.set_delay(0)
@@ -145,7 +145,7 @@ def test_holder_that_lost_its_lock_dispatches_no_further_tool(
     assert tool_server.in_flight.wait(15), a.logs()
     (slow,) = tool_server.invocations
     assert drop_lock_connections(database_url) == 1  # A's lock, and with it the session, is gone
-    wait_until(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
+    wait_for(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
     with b.client() as client:  # B continues the keyed turn: both calls are orphans
         run = ok(post_until_not_busy(client, body, headers=key, deadline=time.monotonic() + 5))
         assert run["status"] == "complete", run
@@ -215,7 +215,7 @@ def test_a_tool_that_holds_the_event_loop_costs_other_sessions_nothing(
         Background(server.url, run_body("ten-steps", "Triage issue 4", f"s-loop-{i}"))
         for i in range(4)
     ]
-    wait_until(lambda: len(fake_model.requests) >= 4, timeout=15, what="the turns' model calls")
+    wait_for(lambda: len(fake_model.requests) >= 4, timeout=15, what="the turns' model calls")
     for _ in range(2):
         with server.client() as client:
             held = ok(client.post("/v1/runs", json=run_body("loop-holder", "Hold it", None)))

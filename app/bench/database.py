@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -22,7 +23,7 @@ from app.bench.report import Stats, Transactions
 from app.bench.scenario import USER_MESSAGE, BenchError, BenchOptions, durable_writes
 from app.db.journal import JournalStore, PostgresJournalStore
 from app.db.session import Database, InlineTransactor
-from app.db.urls import pg_connector
+from app.db.urls import pg_connector, sqlite_file
 from app.services.ownership import Ownership
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ async def stored_bytes(db: Database, database_url: str) -> int:
     """SQLite: the pages the file uses (its free pages, left by deleted rows, not counted);
     PostgreSQL: the scenario tables' size (in the bench's own schema: see own_schema)."""
     if db.dialect == "sqlite":
-        path = make_url(database_url).database
+        path = sqlite_file(database_url)
         assert path is not None
         return await asyncio.to_thread(_used_bytes, path)
     async with db.engine.connect() as conn:
@@ -140,7 +141,7 @@ async def stored_bytes(db: Database, database_url: str) -> int:
     return int(size or 0)
 
 
-def _used_bytes(path: str) -> int:
+def _used_bytes(path: Path) -> int:
     conn = sqlite3.connect(path)
     try:
         pages, free, page_size = (

@@ -13,7 +13,12 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.session import POOL_BUSY_DETAIL, READ_ONLY_DETAIL, pg_read_only
+from app.db.session import (
+    POOL_BUSY_DETAIL,
+    READ_ONLY_DETAIL,
+    UNREACHABLE_DETAIL,
+    pg_read_only,
+)
 from app.errors import (
     AppError,
     DatabaseUnavailable,
@@ -119,7 +124,7 @@ async def _database_error(_: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled database error", exc_info=exc)
         return _internal_error()
     log.warning("database unavailable: %s", type(exc).__name__)
-    return problem_response(DatabaseUnavailable("The database cannot be reached; retry later."))
+    return problem_response(DatabaseUnavailable(UNREACHABLE_DETAIL))
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -41,6 +41,8 @@ PG_CONNECTION_ERRORS = (
 )
 
 
+# What a 503 database_unavailable says, by cause.
+UNREACHABLE_DETAIL = "The database cannot be reached; retry later."
 READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."
 POOL_BUSY_DETAIL = "This replica's database connections are all in use; retry later."
 

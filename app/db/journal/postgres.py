@@ -31,6 +31,7 @@ from app.db.session import (
     PG_CONNECTION_ERRORS,
     POOL_BUSY_DETAIL,
     READ_ONLY_DETAIL,
+    UNREACHABLE_DETAIL,
     pg_read_only,
 )
 from app.errors import DatabaseUnavailable, SessionConflict
@@ -148,7 +149,7 @@ class PostgresJournalStore:
                 # As SQLAlchemy does on a disconnect: the pool's other connections are as old
                 # as this one, so none is reused.
                 await self.engine.dispose()
-                raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
+                raise DatabaseUnavailable(UNREACHABLE_DETAIL) from exc
             raise
         # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
         # adapter can only do inside greenlet_spawn.
@@ -175,7 +176,7 @@ class PostgresJournalStore:
                 # No connection could be made (refused, the database gone): the pool raises
                 # the driver's own error, which no handler of SQLAlchemy's errors knows.
                 log.warning("database unavailable: no connection: %s", type(exc).__name__)
-                raise DatabaseUnavailable("The database cannot be reached; retry later.") from exc
+                raise DatabaseUnavailable(UNREACHABLE_DETAIL) from exc
 
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)

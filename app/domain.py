@@ -26,6 +26,18 @@ def storable(value: _T) -> _T:
     return value
 
 
+def nests_deeper_than(value: Any, levels: int) -> bool:
+    """Whether objects and arrays nest in `value` more than `levels` deep (JSON that deep
+    cannot be answered back: pydantic stops serialising at 255 levels)."""
+    if isinstance(value, dict):
+        children: Any = value.values()
+    elif isinstance(value, list):
+        children = value
+    else:
+        return False
+    return levels == 0 or any(nests_deeper_than(child, levels - 1) for child in children)
+
+
 def json_text(value: Any, *, separators: tuple[str, str] | None = None) -> str:
     """A tool result's JSON text: other than ASCII kept as it is, not escaped (the model
     reads it in fewer tokens), and what no store can hold (a lone surrogate) as U+FFFD."""

@@ -20,7 +20,7 @@ from anthropic.types import (
     UserMessageParam,
 )
 
-from app.domain import Message, Role, ToolCall, Usage, storable
+from app.domain import Message, Role, ToolCall, Usage, nests_deeper_than, storable
 from app.llm.base import LLMError, ModelRequest, ModelResponse, not_a_message
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,11 @@ _TYPE_BY_STATUS = {
 # What the API accepts back in a tool_use block it is sent (its own ids are `toolu_…`).
 _TOOL_USE_ID = re.compile(r"[A-Za-z0-9_-]+")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# More than any model reads or writes in one call; each count is stored as a 64-bit sum
+# over a turn's calls, so a larger one could not be stored.
+MAX_TOKEN_COUNT = 2**32 - 1
+# Tool inputs deeper than this could be run but not answered back (see nests_deeper_than).
+MAX_TOOL_INPUT_DEPTH = 64
 # Stands in for a tool that history names and the agent no longer has (see `_tools`).
 _GONE_TOOL = "A tool this conversation used earlier; it is no longer available."
 
@@ -107,8 +112,8 @@ class AnthropicLLMClient:
                 extra={"error_type": error.type, "retryable": error.retryable},
             )
             raise error from err
-        except ValueError as err:  # a 2xx whose body says JSON and is not
-            raise _logged_not_a_message("its body is not JSON") from err
+        except (ValueError, RecursionError) as err:  # a 2xx whose body says JSON and is not
+            raise _logged_not_a_message("its body is not JSON, or nests too deep to read") from err
         try:
             return read_answer(message)
         except _NotAMessage as err:
@@ -160,14 +165,15 @@ def read_answer(message: Any) -> ModelResponse:
     otherwise fail later with Python's words, or be stored and break the session's history.
     A tool call must have an id of A-Z a-z 0-9 _ - that no other call of the answer has (the
     step's results are paired with its calls by id), a name of 1-128 such characters, and an
-    object as its input. Strings are made storable (see `storable`)."""
+    object as its input, nested at most MAX_TOOL_INPUT_DEPTH deep. Token counts must be
+    storable. Strings are made storable (see `storable`)."""
     content = getattr(message, "content", None)
     usage = getattr(message, "usage", None)
     if not isinstance(content, list) or usage is None:
         raise _NotAMessage("no content list or no usage")
     tokens = (getattr(usage, "input_tokens", None), getattr(usage, "output_tokens", None))
-    if not all(type(n) is int and n >= 0 for n in tokens):
-        raise _NotAMessage("usage is not two token counts")
+    if not all(type(n) is int and 0 <= n <= MAX_TOKEN_COUNT for n in tokens):
+        raise _NotAMessage(f"usage is not two token counts of 0 to {MAX_TOKEN_COUNT}")
     texts: list[str] = []
     calls: list[ToolCall] = []
     ids: set[str] = set()
@@ -207,6 +213,10 @@ def _read_tool_use(block: Any) -> ToolCall:
         raise _NotAMessage(f"tool_use name {name[:64]!r} is not 1-128 of A-Z a-z 0-9 _ -")
     if not isinstance(arguments, dict):
         raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
+    if nests_deeper_than(arguments, MAX_TOOL_INPUT_DEPTH):
+        raise _NotAMessage(
+            f"tool_use {call_id!r} has an input nested deeper than {MAX_TOOL_INPUT_DEPTH} levels"
+        )
     return ToolCall(call_id, name, storable(arguments))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.domain import Message, Role, RunStatus, SessionStatus
+from app.domain import Message, Role, RunStatus, SessionStatus, nests_deeper_than
 from app.tools.base import AgentConfig, Tool
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -51,24 +51,13 @@ class RunCreate(BaseModel):
         # What we store and echo back must be strict JSON: no NaN/Infinity, no lone surrogates,
         # and shallow enough to serialise back (pydantic stops at 255 levels).
         if value is not None:
-            if _deeper_than(value, MAX_METADATA_DEPTH):
+            if nests_deeper_than(value, MAX_METADATA_DEPTH):
                 raise ValueError(f"must not nest deeper than {MAX_METADATA_DEPTH} levels")
             try:
                 json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
             except (ValueError, UnicodeEncodeError) as exc:
                 raise ValueError(f"must be storable JSON ({exc.__class__.__name__})") from exc
         return value
-
-
-def _deeper_than(value: Any, levels: int) -> bool:
-    """Whether objects and arrays nest in `value` more than `levels` deep."""
-    if isinstance(value, dict):
-        children: Any = value.values()
-    elif isinstance(value, list):
-        children = value
-    else:
-        return False
-    return levels == 0 or any(_deeper_than(child, levels - 1) for child in children)
 
 
 class ToolCallRead(BaseModel):

@@ -42,12 +42,31 @@ class RunOutcome:
     turn: Turn
 
 
-def _truncated_call(agent: AgentConfig) -> str:
-    return (
-        f"The model's answer reached max_tokens ({agent.max_tokens}) while asking for a tool"
-        " call, whose input may be incomplete; the call was not made. Raise the agent's"
-        " max_tokens."
-    )
+# Stop reasons of an answer whose tool calls are made (no stop reason reads as end_turn).
+_DISPATCHING = frozenset({"tool_use", "end_turn", "stop_sequence", None})
+# Stop reasons that are the run's error type when they stop a tool call; any other stop
+# reason (newer than this code) is an `api_error`.
+_NAMED_STOPS = frozenset({"max_tokens", "model_context_window_exceeded", "refusal", "pause_turn"})
+
+
+def _call_not_made(reason: str, agent: AgentConfig, last_text: str | None) -> RunEnd:
+    """How a run ends when its model's answer asks for tools but stopped other than to call
+    them (cut off at max_tokens or the context window, refused, paused): a call's input may
+    be incomplete, or the call not meant, so none is made and nothing of the answer stored
+    (as after a failed model call)."""
+    if reason == "max_tokens":
+        message = (
+            f"The model's answer reached max_tokens ({agent.max_tokens}) while asking for a"
+            " tool call, whose input may be incomplete; the call was not made. Raise the"
+            " agent's max_tokens."
+        )
+    else:
+        message = (
+            f"The model's answer stopped ({reason[:64]!r}) while asking for a tool call, whose"
+            " input may be incomplete; the call was not made."
+        )
+    error_type = reason if reason in _NAMED_STOPS else "api_error"
+    return RunEnd(RunStatus.ERROR, last_text, error_type=error_type, error_message=message)
 
 
 @dataclass
@@ -199,15 +218,9 @@ class AgentRunner:
                 RunStatus.ERROR, last_text, error_type="internal_error", error_message=str(exc)
             )
         turn.usage.add(response.usage)
-        if response.tool_calls and response.stop_reason == "max_tokens":
-            # Cut off mid-answer, a tool call's input may be incomplete: never run it, and
-            # store nothing of this answer (as after a failed model call).
-            return RunEnd(
-                RunStatus.ERROR,
-                last_text,
-                error_type="max_tokens",
-                error_message=_truncated_call(agent),
-            )
+        reason = response.stop_reason
+        if response.tool_calls and reason not in _DISPATCHING:
+            return _call_not_made(str(reason), agent, last_text)
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
         if reused is not None:
             error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")

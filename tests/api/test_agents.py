@@ -9,6 +9,7 @@ from tests.api.helpers import all_pages, assert_problem, get_ok
 AGENTS = [
     "bad-ids",
     "broken-model",
+    "context-cut-off",
     "cut-off",
     "echo",
     "outsized",

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -182,20 +183,24 @@ async def test_metadata_is_kept_on_the_session_and_on_each_run(client: httpx.Asy
     assert [r["metadata"] for r in runs] == [{"step": 2}, {"ticket": "T-1"}]
 
 
-async def test_a_tool_call_cut_off_by_max_tokens_is_never_made(
-    client: httpx.AsyncClient, tool_server: ToolServer
+@pytest.mark.parametrize(
+    ("agent", "stop_reason"),
+    [("cut-off", "max_tokens"), ("context-cut-off", "model_context_window_exceeded")],
+)
+async def test_a_tool_call_cut_off_by_a_token_limit_is_never_made(
+    client: httpx.AsyncClient, tool_server: ToolServer, agent: str, stop_reason: str
 ) -> None:
-    # Its input may be incomplete (the answer stopped at max_tokens): the run ends as a failed
-    # model call, storing nothing of that answer.
-    for session_id in (None, "cut-off"):
-        body = await run(client, "cut-off", "post the report", session_id=session_id)
+    # Its input may be incomplete (the answer stopped at max_tokens, or at the context
+    # window): the run ends as a failed model call, storing nothing of that answer.
+    for session_id in (None, agent):
+        body = await run(client, agent, "post the report", session_id=session_id)
         assert body["status"] == "error", body
-        assert body["error"]["type"] == "max_tokens"
-        assert "max_tokens" in body["error"]["message"]
+        assert body["error"]["type"] == stop_reason
+        assert "the call was not made" in body["error"]["message"]
         assert body["messages"] == []
         assert body["usage"]["output_tokens"] > 0  # the answer was paid for all the same
     assert tool_server.invocations == []
-    assert (await get_ok(client, "/v1/sessions/cut-off/messages"))["data"] == []
+    assert (await get_ok(client, f"/v1/sessions/{agent}/messages"))["data"] == []
 
 
 async def test_text_the_stores_cannot_hold_is_stored_replaced(

@@ -52,6 +52,9 @@ agents:
   cut-off:
     model: "cutoff:post_slack"
     tools: [post_slack]
+  context-cut-off:
+    model: "cutoff:post_slack:model_context_window_exceeded"
+    tools: [post_slack]
   slow-read:
     model: "plan:slow_read"
     tools: [slow_read]

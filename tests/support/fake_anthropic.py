@@ -7,7 +7,8 @@ crashed-and-resumed run gets consistent answers:
 * `plan:a,b;c`: step 1 calls tools a and b, step 2 calls c, then a final summary.
 * `steps:<n>:<tool>`: n steps each calling <tool> once, then a final summary.
 * `fail:<status>`: always that error (529 overloaded_error, 429 rate_limit_error, ...).
-* `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`).
+* `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`);
+  `cutoff:<tool>:<stop_reason>` with that stop reason instead.
 * `unstorable:<plan>`: as `plan:<plan>`, with a NUL and a lone surrogate (neither storable
   as text) ending every text and every string of the tool inputs.
 * `outsized:<plan>`: as `plan:<plan>`, with tool_use ids of 300 characters, one more call of
@@ -396,12 +397,12 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
     steps = parse_steps(body["model"])
     content: list[dict[str, Any]]
     if body["model"].startswith("cutoff:"):
-        name = body["model"].removeprefix("cutoff:")
+        name, _, stop = body["model"].removeprefix("cutoff:").partition(":")
         content = [
             {"type": "text", "text": "Posting"},
             {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": name, "input": {}},
         ]
-        stop = "max_tokens"
+        stop = stop or "max_tokens"
     elif steps is None or (body.get("tool_choice") or {}).get("type") == "none":
         content, stop = [{"type": "text", "text": f"echo: {user_text}"}], "end_turn"
     elif k < len(steps):

@@ -401,6 +401,21 @@ def answer(*blocks: Any, usage: Any = USAGE) -> bytes:
     return json.dumps(body).encode()
 
 
+def nested(levels: int) -> dict[str, Any]:
+    """An object whose objects nest `levels` deep."""
+    value: dict[str, Any] = {"x": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+def deep_answer(levels: int) -> bytes:
+    """An answer whose tool input nests deeper than json.dumps (or json.loads) can go."""
+    marker = json.dumps({"marker": 1})
+    body = answer(tool_use(arguments={"marker": 1})).decode()
+    return body.replace(marker, '{"a":' * levels + "1" + "}" * levels).encode()
+
+
 def tool_use(call_id: Any = "toolu_1", name: Any = "get_issue", arguments: Any = None) -> Any:
     return {"type": "tool_use", "id": call_id, "name": name, "input": arguments or {"id": "1"}}
 
@@ -431,6 +446,15 @@ NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
     ),
     "usage-negative": (answer(usage={"input_tokens": -5, "output_tokens": 1}), "application/json"),
     "usage-float": (answer(usage={"input_tokens": 1.5, "output_tokens": 1}), "application/json"),
+    # Past what a turn's 64-bit sums can hold: the final write failed, a 500 after the tools ran.
+    "usage-past-int64": (
+        answer(usage={"input_tokens": 2**63, "output_tokens": 1}),
+        "application/json",
+    ),
+    "usage-past-bound": (
+        answer(usage={"input_tokens": 1, "output_tokens": 2**32}),
+        "application/json",
+    ),
     "text-not-string": (answer({"type": "text", "text": 123}), "application/json"),
     "call-id-int": (answer(tool_use(call_id=123)), "application/json"),
     "call-id-empty": (answer(tool_use(call_id="")), "application/json"),
@@ -438,6 +462,9 @@ NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
     "input-pairs": (answer(tool_use(arguments=[["x", "y"]])), "application/json"),
     "input-number": (answer(tool_use(arguments=42)), "application/json"),
     "same-id-twice": (answer(tool_use(), tool_use(arguments={"id": "2"})), "application/json"),
+    # Run and stored, then every answer holding it was a 500 (too deep to serialise back).
+    "input-too-deep": (answer(tool_use(arguments=nested(65))), "application/json"),
+    "input-far-too-deep": (deep_answer(5000), "application/json"),
     # Ids and names the API refuses when the history is sent back (a NUL or a lone surrogate
     # would become U+FFFD, which it refuses too).
     "call-id-colon": (answer(tool_use(call_id="call:1")), "application/json"),

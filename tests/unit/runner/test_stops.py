@@ -163,3 +163,43 @@ async def test_an_unexpected_model_exception_is_an_internal_error(registry: Tool
     assert journal.kinds() == ["end"]
     assert outcome.end.status is RunStatus.ERROR
     assert outcome.end.error_type == "internal_error"
+
+
+@pytest.mark.parametrize(
+    ("stop_reason", "error_type"),
+    [
+        ("max_tokens", "max_tokens"),
+        # Cut off at the context window: dispatched once, the call's input possibly cut short.
+        ("model_context_window_exceeded", "model_context_window_exceeded"),
+        ("refusal", "refusal"),
+        ("pause_turn", "pause_turn"),
+        ("a_reason_newer_than_the_runner", "api_error"),
+    ],
+)
+async def test_a_tool_call_in_an_answer_that_stopped_other_than_to_call_it_is_never_made(
+    registry: ToolRegistry, probe: Probe, stop_reason: str, error_type: str
+) -> None:
+    calls = [call("toolu_a", "note", text="a")]
+    answer = ModelResponse("calling", calls, stop_reason=stop_reason)
+    outcome, journal = await run(registry, Model([call("toolu_0", "note", text="0")], answer))
+
+    assert probe.calls == [("note", {"text": "0"})]  # the first step's call only
+    assert journal.kinds() == ["step", "results", "end"]  # nothing of the stopped answer
+    end = outcome.end
+    assert (end.status, end.response, end.error_type) == (RunStatus.ERROR, "step 1", error_type)
+    assert end.error_message is not None
+    named = "max_tokens (" if stop_reason == "max_tokens" else f"stopped ({stop_reason!r})"
+    assert named in end.error_message
+    assert "the call was not made" in end.error_message
+
+
+@pytest.mark.parametrize("stop_reason", ["tool_use", "end_turn", "stop_sequence", None])
+async def test_a_tool_call_is_made_whatever_the_usual_stop_reason(
+    registry: ToolRegistry, probe: Probe, stop_reason: str | None
+) -> None:
+    answer = ModelResponse("calling", [call("toolu_a", "note", text="a")], stop_reason=stop_reason)
+    outcome, journal = await run(registry, Model(answer))
+
+    assert probe.calls == [("note", {"text": "a"})]
+    assert journal.kinds() == ["step", "results", "end"]
+    assert outcome.end.status is RunStatus.COMPLETE

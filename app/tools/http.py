@@ -59,6 +59,10 @@ class HttpToolHandler:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url
+        # What error results name: its origin only. A URL's user:password, query and path
+        # (a webhook's token) can be secrets, and error results reach the model and the store.
+        parsed = httpx.URL(url)
+        self.shown = f"{parsed.scheme}://{parsed.netloc.decode('ascii')}"
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})
         self._client = client
@@ -75,28 +79,34 @@ class HttpToolHandler:
                 )
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolFailed(
-                f"timed out after {self.timeout_s:g}s calling {self.url}; it may or may not have"
-                " taken effect"
+                f"timed out after {self.timeout_s:g}s calling {self.shown}; it may or may not"
+                " have taken effect"
             ) from exc
         except httpx.HTTPError as exc:
             detail = str(exc) or type(exc).__name__
-            raise ToolFailed(f"request to {self.url} failed: {detail}") from exc
+            raise ToolFailed(f"request to {self.shown} failed: {detail}") from exc
         return self._result(response)
 
     def _result(self, response: httpx.Response) -> Any:
         status = response.status_code
         if not 200 <= status < 300:
             excerpt = response.text[:BODY_EXCERPT_CHARS]
-            raise ToolFailed(f"HTTP {status} from {self.url}: {excerpt}")
+            raise ToolFailed(f"HTTP {status} from {self.shown}: {excerpt}")
         if not response.content.strip():
             # An empty 2xx (e.g. 204) means the call succeeded with nothing to say. Reporting it
             # as an error would invite the model to repeat a side effect that already happened.
             return None
         try:
-            return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            # Strict JSON only (no NaN or Infinity, which no result can hold); a body nested
+            # too deep to parse is not JSON to us either.
+            return json.loads(response.content, parse_constant=_not_json)
+        except (ValueError, RecursionError) as exc:
             excerpt = response.text[:BODY_EXCERPT_CHARS]
             raise ToolFailed(
-                f"HTTP {status} from {self.url} but the body is not JSON (the request was "
+                f"HTTP {status} from {self.shown} but the body is not JSON (the request was "
                 f"accepted, so it may have taken effect): {excerpt}"
             ) from exc
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")

@@ -75,6 +75,10 @@ def build_app(seen: list[Seen]) -> Starlette:
             return PlainTextResponse("plain words")
         if name == "empty":
             return Response(status_code=204)
+        if name == "nan":
+            return Response('{"ratio": NaN}', media_type="application/json")
+        if name == "deep":  # too deep for json to parse
+            return Response("[" * 200_000 + "]" * 200_000, media_type="application/json")
         return PlainTextResponse("", status_code=302, headers={"Location": "/echo"})
 
     return Starlette(routes=[Route("/{name}", endpoint, methods=["POST"])])
@@ -107,8 +111,22 @@ def server() -> Iterator[LocalServer]:
 def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:
     tools = {
         name: f'    {name}:\n      http: {{url: "{base}/{name}", timeout_s: {timeout_s}}}\n'
-        for name in ("echo", "scalar", "unavailable", "bad-request", "text", "empty", "redirect")
+        for name in (
+            "echo",
+            "scalar",
+            "unavailable",
+            "bad-request",
+            "text",
+            "empty",
+            "redirect",
+            "nan",
+            "deep",
+        )
     }
+    credentials = base.replace("http://", "http://agent:s3cret@")
+    tools["secrets"] = (
+        f'    secrets:\n      http: {{url: "{credentials}/unavailable?api_key=k3y"}}\n'
+    )
     tools["slow"] = f'    slow:\n      http: {{url: "{base}/slow", timeout_s: 0.05}}\n'
     tools["a-while"] = f'    a-while:\n      http: {{url: "{base}/a-while", timeout_s: 3.5}}\n'
     tools["headers"] = (
@@ -198,24 +216,47 @@ async def test_http_non_2xx_is_an_error_with_a_body_excerpt(
     registry: ToolRegistry, server: LocalServer
 ) -> None:
     message = error_of(await run(registry, "unavailable", {}))
-    prefix = f"HTTP 503 from {server.url}/unavailable: down for maintenance "
+    prefix = f"HTTP 503 from {server.url}: down for maintenance "
     assert message.startswith(prefix)
     assert len(message) == len(prefix) - len("down for maintenance ") + 500
     message = error_of(await run(registry, "bad-request", {}))
-    assert message == f'HTTP 400 from {server.url}/bad-request: {{"detail":"no such order"}}'
+    assert message == f'HTTP 400 from {server.url}: {{"detail":"no such order"}}'
+
+
+async def test_http_errors_name_the_origin_only(
+    registry: ToolRegistry, server: LocalServer
+) -> None:
+    # A URL's password, query and path (a webhook's token) can be secrets; error results
+    # reach the model and the store.
+    message = error_of(await run(registry, "secrets", {}))
+    assert message.startswith(f"HTTP 503 from {server.url}: down for maintenance")
+    for secret in ("s3cret", "agent", "k3y", "api_key", "/unavailable"):
+        assert secret not in message
+    assert server.seen[-1].path == "unavailable"  # the whole URL was called
 
 
 async def test_http_redirect_is_not_followed(registry: ToolRegistry, server: LocalServer) -> None:
     message = error_of(await run(registry, "redirect", {}))
-    assert message.startswith(f"HTTP 302 from {server.url}/redirect")
+    assert message.startswith(f"HTTP 302 from {server.url}: ")
     assert [s.path for s in server.seen] == ["redirect"]
 
 
 async def test_http_2xx_non_json_is_an_error(registry: ToolRegistry, server: LocalServer) -> None:
     message = error_of(await run(registry, "text", {}))
-    assert message.startswith(f"HTTP 200 from {server.url}/text but the body is not JSON")
+    assert message.startswith(f"HTTP 200 from {server.url} but the body is not JSON")
     assert "may have taken effect" in message
     assert message.endswith("plain words")
+
+
+@pytest.mark.parametrize("name", ["nan", "deep"])
+async def test_http_2xx_that_no_result_can_hold_is_not_json(
+    registry: ToolRegistry, server: LocalServer, name: str
+) -> None:
+    # NaN (no result can hold it) and nesting too deep to parse were errors that did not say
+    # the call was accepted: the model could repeat a side effect that had happened.
+    message = error_of(await run(registry, name, {}))
+    assert message.startswith(f"HTTP 200 from {server.url} but the body is not JSON")
+    assert "(the request was accepted, so it may have taken effect)" in message
 
 
 async def test_http_timeout(registry: ToolRegistry) -> None:

@@ -6,6 +6,7 @@ app/tools/agents_file.py builds it from the agents file.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -71,7 +72,9 @@ class ToolRegistry:
         extra = {"tool_name": call.name, "tool_call_id": call.id, "run_id": ctx.run_id}
         try:
             async with asyncio.timeout(tool.timeout_s) as deadline:
-                value = await tool.handler(call.arguments, ctx)
+                # A copy: the call is stored as it came and sent back to the model with the
+                # history, so a handler changing its arguments must not change them there.
+                value = await tool.handler(copy.deepcopy(call.arguments), ctx)
         except ToolFailed as exc:
             # The error text can carry a downstream body, which is never logged.
             log.info("tool failed", extra=extra)

@@ -256,3 +256,22 @@ async def test_python_tool_loaded_from_file_executes(tmp_path: Path) -> None:
     result = await registry.execute(call, CTX, allowed=registry.agent("a").tools)
     assert json.loads(result.content) == {"hello": "Ada"}
     await registry.aclose()
+
+
+async def test_a_handler_changing_its_arguments_leaves_the_call_as_the_model_sent_it() -> None:
+    # The call is stored as it came and sent back to the model with the history: a handler
+    # editing its arguments once changed what the model was sent later in the turn, but not
+    # what was stored, so a resumed session replayed another history.
+    async def editing(arguments: dict[str, Any], ctx: ToolContext) -> str:
+        arguments["n"] = 99
+        arguments["tags"].append("added")
+        arguments["injected"] = True
+        return "done"
+
+    tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=editing)
+    registry = ToolRegistry({"t": tool}, {"a": AgentConfig(name="a", model="m", tools=("t",))})
+    call = ToolCall("c", "t", {"n": 1, "tags": ["x"]})
+    result = await registry.execute(call, CTX, allowed={"t"})
+
+    assert not result.is_error
+    assert call.arguments == {"n": 1, "tags": ["x"]}

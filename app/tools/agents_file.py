@@ -21,6 +21,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
+from app.domain import nests_deeper_than
 from app.errors import ConfigError
 from app.tools.base import AgentConfig, Tool, ToolHandler
 from app.tools.http import HttpToolHandler, SharedHttpClient
@@ -34,6 +35,14 @@ BUILTIN_AGENTS_FILE = "agents/examples.yaml"
 # RFC 9110 field names (tokens) and the values httpx can send (no CR, LF or NUL).
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
+# Headers an HTTP tool's request gets from the runner, never from the file.
+RUNNERS_HEADERS = frozenset(
+    {"idempotency-key", "content-type", "content-length", "transfer-encoding"}
+)
+# A host httpx has parsed: a name (IDNA-encoded), an IPv4 address, or an IPv6 one.
+HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9._~-]+)?")
+# How deep an input_schema may nest (objects and arrays).
+MAX_SCHEMA_DEPTH = 64
 # How long a python tool may take unless its entry sets timeout_s.
 PYTHON_TIMEOUT_S = 60.0
 
@@ -92,12 +101,19 @@ def _unresolvable_refs(schema: dict[str, Any]) -> list[str]:
 
 
 def _refs(value: Any) -> list[str]:
+    """The references of a schema: `$ref` and `$dynamicRef`, outside the keywords whose
+    values are data, not schemas (a `const` may well hold an object with a `$ref` key)."""
     if isinstance(value, dict):
-        own = [value["$ref"]] if isinstance(value.get("$ref"), str) else []
-        return own + [ref for child in value.values() for ref in _refs(child)]
+        own = [value[key] for key in _REF_KEYWORDS if isinstance(value.get(key), str)]
+        children = (child for key, child in value.items() if key not in _DATA_KEYWORDS)
+        return own + [ref for child in children for ref in _refs(child)]
     if isinstance(value, list):
         return [ref for child in value for ref in _refs(child)]
     return []
+
+
+_REF_KEYWORDS = ("$ref", "$dynamicRef")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 def load_registry(path: Path | None) -> ToolRegistry:
@@ -145,9 +161,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
+    # The mapping's own keys only: a key merged in with `<<` is one the mapping may override.
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node)
         try:
             duplicate = key in seen
@@ -174,7 +192,9 @@ def _parse_file(text: str, label: str) -> AgentsFile:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{label}: invalid YAML: {exc}") from exc
+        raise ConfigError(f"{label}: invalid YAML: {_yaml_problem(exc)}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{label}: invalid YAML: it nests too deeply to read") from exc
     if not isinstance(raw, dict):
         found = "an empty file" if raw is None else type(raw).__name__
         raise ConfigError(f"{label}: expected a mapping with 'tools' and 'agents', got {found}")
@@ -182,6 +202,16 @@ def _parse_file(text: str, label: str) -> AgentsFile:
         return AgentsFile.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError("\n".join(_describe(label, err) for err in exc.errors())) from exc
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (it quotes the lines around)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return " ".join(str(exc).split())
+    parts = [part for part in (exc.context, exc.problem) if part]
+    mark = exc.problem_mark or exc.context_mark
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return "; ".join(parts) + where
 
 
 def _describe(label: str, err: Any) -> str:
@@ -237,6 +267,9 @@ def _check_name(name: str) -> None:
 def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     if schema is None:
         return dict(DEFAULT_INPUT_SCHEMA)
+    # Deeper, it could not be checked (Python's recursion limit) nor listed by /v1/agents.
+    if nests_deeper_than(schema, MAX_SCHEMA_DEPTH):
+        raise _Problem(f"input_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
@@ -247,7 +280,7 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
         raise _Problem("input_schema must have type: object")
     if unresolvable := _unresolvable_refs(schema):
         raise _Problem(
-            f"input_schema: $ref {unresolvable[0]!r} does not point inside the schema"
+            f"input_schema: reference {unresolvable[0]!r} does not point inside the schema"
             " (references to other documents are not fetched)"
         )
     return schema
@@ -260,9 +293,17 @@ def _http_handler(target: HttpTarget, http: SharedHttpClient) -> HttpToolHandler
         raise _Problem(f"http.url {target.url!r} is not a valid URL: {exc}") from exc
     if url.scheme not in ("http", "https") or not url.host:
         raise _Problem(f"http.url {target.url!r} must be an absolute http:// or https:// URL")
+    if not HOST.fullmatch(url.raw_host.decode("ascii")):
+        raise _Problem(f"http.url {target.url!r} has an invalid host")
+    if url.port is not None and not 0 < url.port < 65536:
+        raise _Problem(f"http.url {target.url!r} has a port outside 1-65535")
     headers = target.headers or {}
-    if any(key.lower() == "idempotency-key" for key in headers):
-        raise _Problem("http.headers must not set Idempotency-Key; the runner sets it per call")
+    for key in headers:
+        if key.lower() in RUNNERS_HEADERS:
+            raise _Problem(
+                f"http.headers must not set {key}; the runner sets it (the input is sent as"
+                " JSON with its own length and a per-call Idempotency-Key)"
+            )
     for key, value in headers.items():
         if not HEADER_NAME.fullmatch(key):
             raise _Problem(f"http.headers: {key!r} is not a valid header name")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any, cast
@@ -43,8 +44,8 @@ def load_python_handler(target: str) -> ToolHandler:
 
 
 def description_of(handler: object) -> str | None:
-    """The first line of the handler's docstring, if it has one."""
-    doc = inspect.getdoc(handler)
+    """The first line of the handler's docstring, if it has one (a partial's: its function's)."""
+    doc = inspect.getdoc(handler.func if isinstance(handler, functools.partial) else handler)
     if not doc:
         return None
     first = doc.strip().splitlines()[0].strip()

@@ -3,6 +3,7 @@ helpers that write a file and load it."""
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class Namespace:
 
 
 callable_object = AsyncCallable()
+partial_tool = functools.partial(documented_tool)
 NOT_CALLABLE = 42
 
 

@@ -197,11 +197,23 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
         ("[1, 2]", "input_schema: Input should be a valid dictionary"),
         (
             '{type: object, properties: {x: {$ref: "http://127.0.0.1:9/s.json"}}}',
-            "input_schema: $ref 'http://127.0.0.1:9/s.json' does not point inside the schema",
+            "input_schema: reference 'http://127.0.0.1:9/s.json' does not point inside the schema",
         ),
         (
             '{type: object, properties: {x: {$ref: "#/$defs/missing"}}}',
-            "input_schema: $ref '#/$defs/missing' does not point inside the schema",
+            "input_schema: reference '#/$defs/missing' does not point inside the schema",
+        ),
+        (  # passed the start, then every call failed "Unresolvable"
+            '{type: object, properties: {x: {$dynamicRef: "http://example.com/x#meta"}}}',
+            "input_schema: reference 'http://example.com/x#meta' does not point inside the schema",
+        ),
+        (  # a RecursionError traceback at start
+            "{type: object, properties: "
+            + "{a: {type: object, properties: " * 100
+            + "{}"
+            + "}}" * 100
+            + "}",
+            "input_schema nests deeper than 64 levels",
         ),
     ],
 )
@@ -241,6 +253,32 @@ def test_references_inside_the_schema_resolve(tmp_path: Path) -> None:
     schema = '{type: object, properties: {x: {$ref: "#/$defs/id"}}, $defs: {id: {type: string}}}'
     registry = load_registry(write(tmp_path, tool_yaml(f"input_schema: {schema}\n{PING}")))
     assert registry.tools["x"].input_schema["$defs"] == {"id": {"type": "string"}}
+
+
+def test_keywords_holding_data_may_hold_ref_keys(tmp_path: Path) -> None:
+    # A `$ref` key inside a const, enum, default or examples is data, not a reference.
+    schema = (
+        '{type: object, properties: {x: {const: {$ref: "#/nope"}, default: {$ref: "#/no"},'
+        ' examples: [{$ref: "http://h/x"}], enum: [{$ref: "#/not"}]}}}'
+    )
+    registry = load_registry(write(tmp_path, tool_yaml(f"input_schema: {schema}\n{PING}")))
+    assert registry.tools["x"].input_schema["properties"]["x"]["const"] == {"$ref": "#/nope"}
+
+
+def test_a_merged_key_may_be_overridden(tmp_path: Path) -> None:
+    # YAML's merge key: the mapping's own keys override merged ones (refused as duplicates).
+    text = (
+        "tools: {}\nagents:\n  a: &base {model: m, max_iterations: 3}\n"
+        "  b: {<<: *base, max_iterations: 5}\n"
+    )
+    registry = load_registry(write(tmp_path, text))
+    assert (registry.agent("a").max_iterations, registry.agent("b").max_iterations) == (3, 5)
+    assert registry.agent("b").model == "m"
+
+
+def test_a_partial_tool_is_described_by_its_function(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, tool_yaml(f'python: "{HERE}:partial_tool"')))
+    assert registry.tools["x"].description == "Say hello."
 
 
 def test_a_python_module_exiting_on_import_is_a_config_error(tmp_path: Path) -> None:
@@ -285,6 +323,21 @@ def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
             '{url: "http://h", headers: {X-A: "é✓"}}',
             "http.headers: the value of 'X-A' must be printable ASCII",
         ),
+        # Each of these started, then made every call fail or send its JSON as another type.
+        (
+            '{url: "http://h", headers: {Content-Length: "5"}}',
+            "http.headers must not set Content-Length",
+        ),
+        (
+            '{url: "http://h", headers: {content-type: text/plain}}',
+            "http.headers must not set content-type",
+        ),
+        (
+            '{url: "http://h", headers: {Transfer-Encoding: x}}',
+            "http.headers must not set Transfer-Encoding",
+        ),
+        ('{url: "http://h:99999/x"}', "http.url 'http://h:99999/x' has a port outside 1-65535"),
+        ('{url: "http://ex ample.com/"}', "http.url 'http://ex ample.com/' has an invalid host"),
     ],
 )
 def test_bad_http_target(tmp_path: Path, http: str, problem: str) -> None:
@@ -358,12 +411,22 @@ def test_non_string_name(tmp_path: Path) -> None:
         ("- a\n- b\n", "expected a mapping with 'tools' and 'agents', got list"),
         ("agents: {}\nmodels: {}\n", "models: Extra inputs are not permitted"),
         ("tools: [a]\n", "tools: Input should be a valid dictionary"),
+        # A RecursionError traceback.
+        ("tools: " + "[" * 5000 + "]" * 5000 + "\n", "invalid YAML: it nests too deeply to read"),
     ],
 )
 def test_bad_file(tmp_path: Path, text: str, problem: str) -> None:
     message = config_error(tmp_path, text)
     assert message.startswith(f"{tmp_path / 'agents.yaml'}: ")
     assert problem in message
+
+
+def test_invalid_yaml_is_one_line_saying_where(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "agents:\n  a: {model: m}\n  a: {model: n}\n")
+    assert message == (
+        f"{tmp_path / 'agents.yaml'}: invalid YAML: while constructing a mapping;"
+        " found duplicate key 'a' (line 3, column 3)"
+    )
 
 
 def test_missing_file(tmp_path: Path) -> None:

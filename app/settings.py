@@ -57,6 +57,14 @@ class Settings(BaseSettings):
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 
+    @field_validator("agents_file", mode="before")
+    @classmethod
+    def _names_a_file(cls, value: object) -> object:
+        # Empty, it would be read as ".", a folder: say what to do instead.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is set but empty: name a file, or unset it for the examples")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level_in_any_case(cls, value: object) -> object:

@@ -66,6 +66,15 @@ def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: P
     assert "known: echo, support" in logs
 
 
+def test_an_empty_agents_file_variable_is_refused_as_empty(tmp_path: Path) -> None:
+    # It was read as ".": "cannot read the agents file: Is a directory".
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", {"AGENTS_FILE": ""})
+    assert (
+        "invalid environment: AGENTS_FILE: is set but empty: name a file,"
+        " or unset it for the examples"
+    ) in logs, logs
+
+
 def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
     logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'level.db'}", {"LOG_LEVEL": "verbose"})
     assert "invalid environment: LOG_LEVEL: Input should be" in logs, logs

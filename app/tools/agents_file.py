@@ -88,16 +88,29 @@ class AgentsFile(_Strict):
     agents: dict[str, AgentEntry] = Field(default_factory=dict)
 
 
-def _unresolvable_refs(schema: dict[str, Any]) -> list[str]:
-    """The `$ref`s of the schema that do not point inside it."""
+def _bad_ref(schema: dict[str, Any]) -> str | None:
+    """What is wrong with the schema's references, if anything: one that does not point
+    inside it, or one that leads back to itself through nothing but references (no value
+    could ever be validated: each call would fail with Python's recursion limit)."""
     resolver = Registry().resolver_with_root(DRAFT202012.create_resource(schema))
-    unresolvable = []
     for ref in _refs(schema):
-        try:
-            resolver.lookup(ref)
-        except Unresolvable:
-            unresolvable.append(ref)
-    return unresolvable
+        seen: set[int] = set()
+        target: Any = ref
+        at = resolver
+        while isinstance(target, str):
+            try:
+                resolved = at.lookup(target)
+            except Unresolvable:
+                return (
+                    f"reference {target!r} does not point inside the schema"
+                    " (references to other documents are not fetched)"
+                )
+            if id(resolved.contents) in seen:
+                return f"reference {ref!r} leads back to itself through references only"
+            seen.add(id(resolved.contents))
+            contents, at = resolved.contents, resolved.resolver
+            target = contents.get("$ref") if isinstance(contents, dict) else None
+    return None
 
 
 def _refs(value: Any) -> list[str]:
@@ -278,11 +291,8 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     # The Messages API requires tool input to be an object; anything else is rejected there.
     if schema.get("type") != "object":
         raise _Problem("input_schema must have type: object")
-    if unresolvable := _unresolvable_refs(schema):
-        raise _Problem(
-            f"input_schema: reference {unresolvable[0]!r} does not point inside the schema"
-            " (references to other documents are not fetched)"
-        )
+    if problem := _bad_ref(schema):
+        raise _Problem(f"input_schema: {problem}")
     return schema
 
 

@@ -207,6 +207,11 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
             '{type: object, properties: {x: {$dynamicRef: "http://example.com/x#meta"}}}',
             "input_schema: reference 'http://example.com/x#meta' does not point inside the schema",
         ),
+        (  # every call with an `x` failed with Python's recursion limit
+            '{type: object, properties: {x: {$ref: "#/$defs/a"}},'
+            ' $defs: {a: {$ref: "#/$defs/b", type: object}, b: {$ref: "#/$defs/a"}}}',
+            "input_schema: reference '#/$defs/a' leads back to itself through references only",
+        ),
         (  # a RecursionError traceback at start
             "{type: object, properties: "
             + "{a: {type: object, properties: " * 100
@@ -253,6 +258,16 @@ def test_references_inside_the_schema_resolve(tmp_path: Path) -> None:
     schema = '{type: object, properties: {x: {$ref: "#/$defs/id"}}, $defs: {id: {type: string}}}'
     registry = load_registry(write(tmp_path, tool_yaml(f"input_schema: {schema}\n{PING}")))
     assert registry.tools["x"].input_schema["$defs"] == {"id": {"type": "string"}}
+
+
+def test_a_recursive_schema_is_not_a_reference_cycle(tmp_path: Path) -> None:
+    # A tree: each node's children are nodes (the root), with a schema in between.
+    schema = (
+        '{type: object, properties: {children: {type: array, items: {$ref: "#"}},'
+        ' next: {$ref: "#/$defs/n"}}, $defs: {n: {$ref: "#/$defs/m"}, m: {$ref: "#"}}}'
+    )
+    registry = load_registry(write(tmp_path, tool_yaml(f"input_schema: {schema}\n{PING}")))
+    assert registry.tools["x"].input_schema["properties"]["children"]["items"] == {"$ref": "#"}
 
 
 def test_keywords_holding_data_may_hold_ref_keys(tmp_path: Path) -> None:

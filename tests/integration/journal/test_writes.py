@@ -1,145 +1,35 @@
-"""DurableJournal on a real database (SQLite file and PostgreSQL): what each write stores.
-
-Every turn starts with `record_start` (the run row, runs found dead), then `record_repairs`
-(results for the calls they orphaned, if any), then its steps and its end. Ownership is
-`LocalOwnership` on both stores: its fence is always true, so what conflicts here is the
-message-count compare-and-set and the session's primary key (the PostgreSQL advisory-lock
-fence has its own tests).
-"""
+"""DurableJournal on a real database (SQLite file and PostgreSQL): what each write stores,
+what conflicts, and what a failed write leaves."""
 
 from __future__ import annotations
 
 import sqlite3
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import asyncpg
 import pytest
 
-from app.db import models
 from app.db.journal import journal_store
-from app.db.repositories import MessageRepository, RunRepository, SessionRepository
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
-from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, Usage, durability_error
+from app.domain import Message, Role, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
 from app.metrics import Metrics
-from app.services.journal import DurableJournal, RunEnd, Turn
+from app.services.journal import DurableJournal, RunEnd
 from app.services.ownership import LocalOwnership
 from app.services.pg_ownership import PostgresOwnership
+from tests.integration.journal.support import (
+    CALLS,
+    SESSION,
+    new_turn,
+    read,
+    repairs_for,
+    results_for,
+    shape,
+    start,
+    write_counts,
+)
 from tests.support.transactions import Crash, CrashAt, results_sent_uncommitted
-
-SESSION = "sess-journal"
-CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
-WRITE_KINDS = ("start", "repair", "write1", "write2", "final")
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await Database.connect(database_url, pool_size=5)
-    try:
-        yield database
-    finally:
-        await database.dispose()
-
-
-@pytest.fixture
-def metrics() -> Metrics:
-    return Metrics()
-
-
-@pytest.fixture
-def journal(db: Database, metrics: Metrics) -> DurableJournal:
-    ownership = LocalOwnership()
-    store = journal_store(db, ownership.fence_sql)
-    return DurableJournal(store, Failpoints.parse(None), ownership, metrics)
-
-
-def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:
-    """A turn as the run service builds it from what it read of the session (not started)."""
-    return Turn(
-        run_id=str(uuid.uuid4()),
-        agent="main",
-        user_message=Message.user(text),
-        session_id=session_id,
-        tenant_id="tenant-1",
-        user_id="user-1",
-        session_metadata={"source": "test"},
-        run_metadata={"ticket": 7},
-        stored_count=stored_count,
-        session_exists=stored_count > 0,
-    )
-
-
-async def start(
-    journal: DurableJournal,
-    text: str,
-    *,
-    stored_count: int = 0,
-    session_id: str = SESSION,
-    repairs: Sequence[Message] = (),
-    interrupted: Sequence[str] = (),
-) -> Turn:
-    """A new turn, started as the run service starts it: record_start before any other write,
-    then the repairs."""
-    turn = new_turn(text, stored_count=stored_count, session_id=session_id)
-    await journal.record_start(turn, interrupted)
-    if repairs:
-        await journal.record_repairs(turn, repairs)
-    return turn
-
-
-def results_for(*calls: ToolCall) -> list[Message]:
-    return [Message.tool(ToolResult.ok(c, {"done": c.id})) for c in calls]
-
-
-def repairs_for(run_id: str) -> list[Message]:
-    """What AgentRunner.repair stores for CALLS: lookup run again, charge a durability error."""
-    repairs = [
-        Message.tool(ToolResult.ok(CALLS[0], {"id": "A-1"})),
-        Message.tool(durability_error("charge", "toolu_b")),
-    ]
-    for message in repairs:
-        message.run_id = run_id
-    return repairs
-
-
-def write_counts(metrics: Metrics) -> dict[str, float]:
-    """How many durable writes of each kind were timed (kinds never seen left out)."""
-    counts = {}
-    for kind in WRITE_KINDS:
-        value = metrics.registry.get_sample_value(
-            "agent_runner_durable_write_seconds_count", {"kind": kind}
-        )
-        if value is not None:
-            counts[kind] = value
-    return counts
-
-
-@dataclass
-class Stored:
-    session: models.Session | None
-    history: list[Message]
-    runs: dict[str, models.Run]
-
-
-async def read(db: Database, *run_ids: str, session_id: str = SESSION) -> Stored:
-    async with db.reads() as session:
-        row = await SessionRepository(session).get(session_id)
-        history = await MessageRepository(session).history(row.key) if row else []
-        runs = {}
-        for run_id in run_ids:
-            run = await RunRepository(session).get(run_id)
-            if run is not None:
-                runs[run_id] = run
-        return Stored(row, history, runs)
-
-
-def shape(history: list[Message]) -> list[tuple[int | None, Role, str | None]]:
-    """(seq, role, tool_call_id) per message."""
-    return [(m.seq, m.role, m.tool_call_id) for m in history]
 
 
 async def test_the_start_stores_a_new_session_and_the_running_run(
@@ -430,158 +320,6 @@ async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     assert after.session is not None
     assert after.session.message_count == 2
     assert after.runs[failed.run_id].status == RunStatus.ERROR
-
-
-async def test_repairs_go_after_their_assistant_and_dead_runs_are_marked_interrupted(
-    db: Database, journal: DurableJournal, metrics: Metrics
-) -> None:
-    crashed = await start(journal, "buy it")
-    await journal.record_step(crashed, Message.assistant("on it", CALLS))
-    # The runner died here. The next run repairs both orphans under the crashed run's id.
-    resumed = new_turn("again", stored_count=2)
-    repairs = repairs_for(crashed.run_id)
-    await journal.record_start(resumed, [crashed.run_id])
-    await journal.record_repairs(resumed, repairs)
-
-    stored = await read(db, crashed.run_id, resumed.run_id)
-    assert shape(stored.history) == [
-        (1, Role.USER, None),
-        (2, Role.ASSISTANT, None),
-        (3, Role.TOOL, "toolu_a"),
-        (4, Role.TOOL, "toolu_b"),
-    ]
-    assert [m.seq for m in repairs] == [3, 4]
-    assert [m.run_id for m in stored.history[2:]] == [crashed.run_id] * 2
-    assert [m.is_error for m in stored.history[2:]] == [False, True]
-    assert stored.history[3].content == repairs[1].content
-    assert stored.session is not None
-    assert stored.session.message_count == 4
-    interrupted = stored.runs[crashed.run_id]
-    assert interrupted.status == RunStatus.INTERRUPTED
-    assert interrupted.finished_at is not None
-    # The transaction that starts the new run ends the dead one; the repairs come after it,
-    # together.
-    run = stored.runs[resumed.run_id]
-    assert run.status == RunStatus.RUNNING
-    assert run.created_at == resumed.created_at
-    assert run.finished_at is None
-    assert interrupted.finished_at == stored.session.updated_at
-    repaired_at = stored.history[2].created_at
-    assert repaired_at is not None and repaired_at == stored.history[3].created_at
-    assert interrupted.finished_at <= repaired_at
-    assert (resumed.stored_count, resumed.run_stored, resumed.user_stored) == (4, True, False)
-    assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1}
-
-    await journal.record_end(resumed, Message.assistant("ok"), RunEnd(RunStatus.COMPLETE, "ok"))
-    final = await read(db, resumed.run_id)
-    assert [(m.seq, m.content) for m in final.history[4:]] == [(5, "again"), (6, "ok")]
-    assert final.runs[resumed.run_id].status == RunStatus.COMPLETE
-
-
-async def test_the_start_with_only_unfinished_runs_marks_them_interrupted(
-    db: Database, journal: DurableJournal, metrics: Metrics
-) -> None:
-    crashed = await start(journal, "one")
-    await journal.record_step(crashed, Message.assistant("", CALLS))
-    await journal.record_results(crashed, results_for(*CALLS))
-    resumed = await start(journal, "two", stored_count=4, interrupted=[crashed.run_id])
-
-    stored = await read(db, crashed.run_id, resumed.run_id)
-    assert stored.runs[crashed.run_id].status == RunStatus.INTERRUPTED
-    assert stored.runs[crashed.run_id].finished_at is not None
-    assert stored.runs[resumed.run_id].status == RunStatus.RUNNING
-    assert stored.session is not None
-    assert stored.session.message_count == 4
-    assert len(stored.history) == 4
-    assert resumed.stored_count == 4
-    assert write_counts(metrics) == {"start": 2, "write1": 1, "write2": 1}
-
-
-async def test_a_start_with_nothing_to_repair_writes_only_the_session_and_the_run(
-    db: Database, journal: DurableJournal, metrics: Metrics
-) -> None:
-    earlier = await start(journal, "one")
-    await journal.record_end(earlier, Message.assistant("hi"), RunEnd(RunStatus.COMPLETE, "hi"))
-    fresh = await start(journal, "two", session_id="never-written")
-
-    stored = await read(db, fresh.run_id, session_id="never-written")
-    assert stored.session is not None
-    assert stored.session.message_count == 0
-    assert stored.history == []
-    assert stored.runs[fresh.run_id].status == RunStatus.RUNNING
-    assert fresh.stored_count == 0
-    # The other session is untouched.
-    other = await read(db, earlier.run_id)
-    assert other.session is not None
-    assert other.session.message_count == 2
-    assert other.runs[earlier.run_id].status == RunStatus.COMPLETE
-    assert write_counts(metrics) == {"start": 2, "final": 1}
-
-
-async def interrupted_then_continued(db: Database, journal: DurableJournal) -> tuple[Turn, Turn]:
-    """A turn that crashed after write #1, marked interrupted by a later turn, now continued.
-
-    Returns (crashed, continued): the continued turn is the crashed run picked up again
-    (same Idempotency-Key), built as RunService._continue builds it, and started.
-    """
-    crashed = await start(journal, "buy it")
-    crashed.iterations = 1
-    await journal.record_step(crashed, Message.assistant("on it", CALLS))
-    other = await start(
-        journal,
-        "other",
-        stored_count=2,
-        repairs=repairs_for(crashed.run_id),
-        interrupted=[crashed.run_id],
-    )
-    await journal.record_end(other, Message.assistant("fine"), RunEnd(RunStatus.COMPLETE, "fine"))
-    continued = new_turn("buy it", stored_count=6)
-    continued.run_id = crashed.run_id
-    continued.created_at = crashed.created_at
-    continued.run_stored = True
-    continued.user_stored = True
-    continued.iterations = 1
-    await journal.record_start(continued, [])
-    return crashed, continued
-
-
-async def test_a_continued_turn_sets_its_run_back_to_running_and_stores_no_second_user_message(
-    db: Database, journal: DurableJournal, metrics: Metrics
-) -> None:
-    crashed, continued = await interrupted_then_continued(db, journal)
-
-    resumed = await read(db, crashed.run_id)
-    assert resumed.runs[crashed.run_id].status == RunStatus.RUNNING
-    assert resumed.session is not None
-    assert resumed.session.message_count == 6
-    assert continued.stored_count == 6
-
-    continued.iterations = 2
-    continued.finished_at = continued.created_at
-    await journal.record_end(
-        continued, Message.assistant("bought"), RunEnd(RunStatus.COMPLETE, "bought")
-    )
-    stored = await read(db, crashed.run_id)
-    assert [(m.seq, m.role, m.content, m.run_id) for m in stored.history[6:]] == [
-        (7, Role.ASSISTANT, "bought", crashed.run_id)
-    ]
-    assert [m.role for m in stored.history].count(Role.USER) == 2  # "buy it" and "other"
-    run = stored.runs[crashed.run_id]
-    assert run.status == RunStatus.COMPLETE
-    assert run.iterations == 2
-    assert run.created_at == crashed.created_at
-    assert run.finished_at == continued.created_at
-    assert write_counts(metrics) == {"start": 3, "write1": 1, "repair": 1, "final": 2}
-
-
-async def test_a_continued_run_back_to_running_has_no_finished_at(
-    db: Database, journal: DurableJournal
-) -> None:
-    # A `running` run with a finish time would tell GET /v1/runs/{id} it ended already.
-    crashed, _ = await interrupted_then_continued(db, journal)
-    stored = await read(db, crashed.run_id)
-    assert stored.runs[crashed.run_id].status == RunStatus.RUNNING
-    assert stored.runs[crashed.run_id].finished_at is None
 
 
 async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(

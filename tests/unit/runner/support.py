@@ -5,7 +5,7 @@ The journal here is a recording test double: it shows which write the runner mak
 every ownership check it asks for, and the in-process tools below record what they see
 (including how many writes and checks came before them). The runner computes repairs and
 hands them to `Journal.record_repairs` in one write; how that stores them is
-tests/integration/test_journal.py's.
+tests/integration/journal/'s.
 """
 
 from __future__ import annotations

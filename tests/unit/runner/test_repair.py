@@ -217,7 +217,7 @@ async def test_nothing_to_repair_gives_no_results(
     registry: ToolRegistry, probe: Probe, history: list[Message]
 ) -> None:
     # The unfinished runs are no longer the runner's business: the run service passes them
-    # to record_start, which marks them interrupted (tests/integration/test_journal.py).
+    # to record_start, which marks them interrupted (tests/integration/journal/test_resume.py).
     metrics = Metrics()
     assert await repair(registry, history, metrics=metrics) == []
     assert probe.calls == []

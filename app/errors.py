@@ -169,7 +169,8 @@ class DatabaseUnavailable(Unavailable):
 
 
 class SchemaOutOfDate(Unavailable):
-    """/readyz: the database's schema is not the newest migration this code knows."""
+    """/readyz: the database's schema is not the newest migration this code knows (it is
+    behind, or a newer build's)."""
 
     code = "schema_out_of_date"
     title = "Schema out of date"

@@ -16,7 +16,8 @@ from app.errors import ConfigError
 
 
 class Settings(BaseSettings):
-    """Environment variables as named in CONTRACT.md §5."""
+    """Environment variables: CONTRACT.md §5's, as named there, and this service's own (the
+    README's Configuration table lists them all)."""
 
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
 

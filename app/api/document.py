@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from app.api.problems import PROBLEM_JSON
+from app.errors import AppError, PayloadTooLarge
 
 # What app.api.deps.plain_parameters lets through: any string without NUL.
 NO_NUL = "^[^\\x00]*$"
@@ -28,6 +29,7 @@ def finish_document(app: FastAPI) -> None:
             for item in generate()["paths"].values():
                 for operation in item.values():
                     _auth_as_optional(operation)
+                    _problems_of_every_route(operation)
                     _problems_as_problem_json(operation)
                     _no_nul_in_parameters(operation)
         assert app.openapi_schema is not None
@@ -43,6 +45,19 @@ def _auth_as_optional(operation: dict[str, Any]) -> None:
     a key is needed and missing, the operation's documented 401 says so."""
     if operation.get("security"):
         operation["security"].insert(0, {})
+
+
+def _problems_of_every_route(operation: dict[str, Any]) -> None:
+    """What any route may answer: 413 for a body over the limit (on any method, before the
+    route is reached), and 500 for what went wrong unforeseen."""
+    for status, error in ((413, PayloadTooLarge), (500, AppError)):
+        operation["responses"].setdefault(
+            str(status),
+            {
+                "description": f"A problem; code `{error.code}`",
+                "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+            },
+        )
 
 
 def _problems_as_problem_json(operation: dict[str, Any]) -> None:

@@ -53,6 +53,12 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config(None)).get_current_head()
 
 
+def known_revisions() -> frozenset[str]:
+    """Every migration this build has (a schema at another one is a newer build's)."""
+    scripts = ScriptDirectory.from_config(alembic_config(None))
+    return frozenset(script.revision for script in scripts.walk_revisions())
+
+
 async def current_revision(conn: AsyncConnection) -> str | None:
     """The revision the connected database is at, or None before the first migration; a
     database that does not answer raises (it is not a schema without migrations)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.db.migrate import database_state
+from app.db.migrate import database_state, known_revisions
 from app.db.session import READ_ONLY_DETAIL, Database
 from app.errors import DatabaseUnavailable, SchemaOutOfDate
 from app.services.ownership import Ownership
@@ -29,6 +29,13 @@ class HealthService:
         if state.read_only:
             raise DatabaseUnavailable(READ_ONLY_DETAIL)
         if state.revision != self.head_revision:
+            if state.revision is not None and state.revision not in known_revisions():
+                # A newer build has migrated the database (a rolling upgrade): this older
+                # build cannot tell whether it can use that schema, and must not migrate it.
+                raise SchemaOutOfDate(
+                    f"The schema is at {state.revision!r}, a migration this build does not"
+                    " have: a newer build has upgraded the database; run that build here."
+                )
             raise SchemaOutOfDate(
                 f"The schema is at {state.revision!r}, not {self.head_revision!r}; "
                 "run `agent-runner migrate`."

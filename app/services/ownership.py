@@ -1,7 +1,8 @@
 """Who may run a session: one runner at a time, across every replica sharing the database.
 
 Two layers:
-- In this process, `ActiveRuns` refuses a second request on a session at once.
+- In this process, `ActiveRuns` refuses a second request on a session (after waiting up to
+  SETTLE_WAIT_S for a claim that has no run yet, so that its 409 can name one).
 - Across processes, an `Ownership`: on PostgreSQL advisory locks that die with the process
   (`PostgresOwnership`, services/pg_ownership.py); on SQLite one process owns the file (a
   second is refused at start), so `LocalOwnership` is the in-process layer alone, and a

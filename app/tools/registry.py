@@ -62,7 +62,8 @@ class ToolRegistry:
     async def execute(
         self, call: ToolCall, ctx: ToolContext, *, allowed: Collection[str]
     ) -> ToolResult:
-        """Validate and run one call; every failure becomes an error result (never raises)."""
+        """Validate and run one call; every failure becomes an error result (it raises only
+        CancelledError, when the run itself is cancelled)."""
         tool = self.tools.get(call.name) if call.name in allowed else None
         if tool is None:
             return ToolResult.error(call, f"unknown tool {call.name!r}")

@@ -103,6 +103,9 @@ def test_problem_statuses_of_each_route(openapi: Json) -> None:
     assert statuses("get", "/v1/agents/{name}") >= {"200", "404"}
     for path in ("/v1/sessions", "/v1/agents"):
         assert "422" in statuses("get", path), path
+    # Any route may answer these: a body over 1 MiB (any method), and the unforeseen.
+    for method, path in ops:
+        assert statuses(method, path) >= {"413", "500"}, (method, path)
 
 
 def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> None:
@@ -128,8 +131,10 @@ def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> No
         "schema_out_of_date",
         "shutting_down",
     }
+    assert codes("get", "/healthz", "413") == {"payload_too_large"}
+    assert codes("get", "/healthz", "500") == {"internal_error"}
     # Every code a route answers (CONTRACT §3's list and ours) is named somewhere; the
-    # generic ones (unknown path, wrong method, HTTP-level errors, 500) belong to no route.
+    # generic ones (unknown path, wrong method, HTTP-level errors) belong to no route.
     named = {
         code
         for (method, path), operation in ops.items()
@@ -137,7 +142,7 @@ def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> No
         if status.startswith(("4", "5"))
         for code in codes(method, path, status)
     }
-    generic = {"not_found", "method_not_allowed", "http_error", "internal_error"}
+    generic = {"not_found", "method_not_allowed", "http_error"}
     assert named == {cls.code for cls in app_errors()} - generic
 
 

@@ -98,6 +98,17 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
             assert stale.status_code == 503, stale.text
             assert _problem_code(stale) == "schema_out_of_date"
             assert stale.headers.get("retry-after"), "a 503 says when to retry"
+            assert "run `agent-runner migrate`" in stale.json()["detail"]
+
+            # A newer build has migrated the database: not ready, and migrating is not the cure.
+            _set_revision(database_url, "a1b2c3d4e5f6")
+            newer = client.get("/readyz")
+            assert newer.status_code == 503, newer.text
+            assert _problem_code(newer) == "schema_out_of_date"
+            assert newer.json()["detail"] == (
+                "The schema is at 'a1b2c3d4e5f6', a migration this build does not have: a newer"
+                " build has upgraded the database; run that build here."
+            )
 
     assert first_after.status_code == 200, (
         "/readyz answered 200 but the next durable run was refused: "

@@ -9,12 +9,13 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
 from app.domain import Message, Role, RunStatus, ToolCall
+from app.errors import SessionConflict
 
 
 def message_to_row(message: Message, *, now: datetime) -> dict[str, Any]:
@@ -222,8 +223,20 @@ class RunRepository:
         return (await self._s.scalars(query)).all()
 
 
-def delete_session(conn: Connection, *, session_id: str) -> None:
-    """Delete the session with its runs and messages (a Transactor body)."""
+def delete_session(
+    conn: Connection, *, session_id: str, fence_sql: str, fence: dict[str, Any]
+) -> None:
+    """Delete the session with its runs and messages (a Transactor body), only while the
+    ownership fence holds, as every durable write checks it: the session's row is locked
+    first, so a write of whoever took the session over waits for this one and then finds
+    nothing to write to. SessionConflict, and nothing deleted, if the fence does not hold."""
+    owned = (
+        select(models.Session.key)
+        .where(models.Session.id == session_id, text(fence_sql).bindparams(**fence))
+        .with_for_update()
+    )
+    if conn.execute(owned).first() is None:
+        raise SessionConflict(session_id)
     key = select(models.Session.key).where(models.Session.id == session_id).scalar_subquery()
     conn.execute(delete(models.Message).where(models.Message.session_key == key))
     conn.execute(delete(models.Run).where(models.Run.session_id == session_id))

@@ -133,7 +133,13 @@ class SessionService:
                 async with self.db.reads.begin() as session:
                     await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
                 # Every write goes through db.writes (app/db/session.py, a Transactor).
-                await self.db.writes.transact(partial(delete_session, session_id=session_id))
+                delete = partial(
+                    delete_session,
+                    session_id=session_id,
+                    fence_sql=self.ownership.fence_sql,
+                    fence=self.ownership.fence_params(session_id),
+                )
+                await self.db.writes.transact(delete)
         except SessionBusy as busy:
             self.metrics.session_busy.inc()
             active = await active_run(self.db, self.ownership, busy, session_id, since=asked)

@@ -4,11 +4,13 @@ what conflicts, and what a failed write leaves."""
 from __future__ import annotations
 
 import sqlite3
+from functools import partial
 
 import asyncpg
 import pytest
 
 from app.db.journal import journal_store
+from app.db.repositories import delete_session
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, RunStatus, Usage
@@ -371,3 +373,51 @@ async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
     stored = await read(db, turn.run_id)
     assert stored.history == []
     assert stored.session is not None and stored.session.message_count == 0
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_delete_is_fenced_by_this_runners_lock(
+    db: Database, metrics: Metrics, database_url: str
+) -> None:
+    # A holds the session to delete it; its lock connection dies and B takes the session
+    # (B's turn may already have run a tool). A's delete must delete nothing: it once
+    # deleted B's committed write #1 under it, and B's keyed retry then ran its tools again.
+    dsn = asyncpg_dsn(database_url)
+    a, b = (PostgresOwnership(database_url, heartbeat_s=0.5, takeover_after_s=3) for _ in range(2))
+    await a.start()
+    await b.start()
+    admin = await asyncpg.connect(dsn)
+    try:
+        journal = DurableJournal(journal_store(db, b.fence_sql), Failpoints.parse(None), b, metrics)
+        async with a.hold(SESSION):
+            pid = a.fence_params(SESSION)["fence_pid"]
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
+            async with b.hold(SESSION):
+                turn = await start(journal, "buy it")
+                await journal.record_step(turn, Message.assistant("on it", CALLS))
+                delete = partial(
+                    delete_session,
+                    session_id=SESSION,
+                    fence_sql=a.fence_sql,
+                    fence=a.fence_params(SESSION),
+                )
+                with pytest.raises(SessionConflict):
+                    await db.writes.transact(delete)
+        async with b.hold(SESSION):  # its owner's delete goes through
+            owned = partial(
+                delete_session,
+                session_id=SESSION,
+                fence_sql=b.fence_sql,
+                fence=b.fence_params(SESSION),
+            )
+            stored = await read(db, turn.run_id)
+            assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
+            await db.writes.transact(owned)
+    finally:
+        await admin.close()
+        await a.stop()
+        await b.stop()
+    stored = await read(db, turn.run_id)
+    assert stored.session is None and stored.history == [] and stored.runs == {}

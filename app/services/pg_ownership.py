@@ -143,6 +143,12 @@ class PostgresOwnership:
         if self._conn is None or self._conn.is_closed() or self._stale() or lost:
             raise SessionConflict(session_id)
 
+    @property
+    def _statement_timeout_s(self) -> float:
+        """How long a statement on the lock connection may go unanswered before the connection
+        is dropped: as long as a holder may go without a heartbeat and still dispatch."""
+        return self._takeover_after_s / 2
+
     def _stale(self) -> bool:
         """The last heartbeat is older than a holder may go without one and still dispatch."""
         return time.monotonic() - self._last_beat > self._takeover_after_s / 2
@@ -183,8 +189,11 @@ class PostgresOwnership:
                 if if_stale and not self._stale():
                     return
                 conn = await self._connection()
-                await conn.fetchval("SELECT 1", timeout=self._takeover_after_s / 2)
-            self._last_beat = time.monotonic()
+                # As of sending: an answer that waited (this process stopped, its loop held
+                # up) says the connection was alive then, not when it is read.
+                sent = time.monotonic()
+                await conn.fetchval("SELECT 1", timeout=self._statement_timeout_s)
+            self._last_beat = sent
         except ConnectionError:
             raise
         except Exception as exc:
@@ -225,14 +234,17 @@ class PostgresOwnership:
         self, sql: str, *args: Any, result: Literal["value", "row", "rows"] = "value"
     ) -> Any:
         """One statement on the lock connection: its value, its row (or None), or all its
-        rows; a failed connection is dropped and reported as ConnectionError (503)."""
+        rows; a failed connection, or one that does not answer in `_statement_timeout_s`, is
+        dropped and reported as ConnectionError (503)."""
         self.statements += 1
         async with self._io:
             conn = await self._connection()
             fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
             try:
-                return await fetch(sql, *args)
-            except PG_CONNECTION_ERRORS as exc:
+                return await fetch(sql, *args, timeout=self._statement_timeout_s)
+            except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
+                # Unanswered, it would hold `_io`, and with it the heartbeat that would have
+                # noticed: every request of the process would wait on the connection forever.
                 self._drop(exc)
                 raise ConnectionError("the ownership connection is down") from exc
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from app.db.session import Database
 from app.domain import RunStatus
@@ -19,6 +21,7 @@ from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.tools.agents_file import load_registry
+from tests.ops.proxy import TcpProxy
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
@@ -96,3 +99,55 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
     finally:
         await registry.aclose()
         await db.dispose()
+
+
+async def test_a_lock_connection_that_stops_answering_is_dropped_not_waited_on(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The network path to PostgreSQL holds everything back (a failover, a lost NAT entry)
+    # while a turn releases its session. The unlock waited without end, holding the lock
+    # connection, so the heartbeat could not notice: every request of the replica hung.
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        owner = PostgresOwnership(via_proxy, heartbeat_s=3600, takeover_after_s=2)
+        await owner.start()
+        try:
+            stall_s = 6
+            async with owner.hold("s-stalled"):
+                proxy.stall(stall_s)
+                stalled_at = time.monotonic()
+            released_s = time.monotonic() - stalled_at
+            assert released_s < stall_s - 2, f"the release waited {released_s:.1f} s"
+            assert "ownership connection lost (TimeoutError)" in caplog.text
+            # Once the path is back, a new lock connection serves the session again.
+            await asyncio.sleep(stall_s - released_s + 0.5)
+            async with owner.hold("s-stalled"):
+                await owner.check("s-stalled")
+        finally:
+            await owner.stop()
+
+
+async def test_a_heartbeat_counts_from_when_it_was_sent(
+    ownership: PostgresOwnership, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An answer that waited to be read (the process stopped, its event loop held up) says
+    # the lock connection was alive when the beat was sent, not when it is read: stamped at
+    # reading, a holder resumed after a takeover could pass its next check.
+    live = ownership._conn
+    assert live is not None
+    conn = live
+
+    class ReadLate:
+        async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
+            value = await conn.fetchval(*args, **kwargs)
+            await asyncio.sleep(0.5)
+            return value
+
+    async def connection() -> ReadLate:
+        return ReadLate()
+
+    monkeypatch.setattr(ownership, "_connection", connection)
+    before = time.monotonic()
+    await ownership._heartbeat()
+    assert ownership._last_beat - before < 0.25

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 BODY_EXCERPT_CHARS = 500
 
 
+# Failures that leave no doubt the request never reached the tool.
+_NEVER_SENT = (httpx.ConnectError, httpx.UnsupportedProtocol, httpx.LocalProtocolError)
+
+
 class SharedHttpClient:
     """One lazily created httpx.AsyncClient shared by every HTTP tool of a registry.
 
@@ -84,6 +88,10 @@ class HttpToolHandler:
             ) from exc
         except httpx.HTTPError as exc:
             detail = str(exc) or type(exc).__name__
+            if not isinstance(exc, _NEVER_SENT):
+                # Cut off after the request went out, in part or whole: the tool may have
+                # acted on it, and the model must not take the error for "nothing happened".
+                detail += "; it may or may not have taken effect"
             raise ToolFailed(f"request to {self.shown} failed: {detail}") from exc
         return self._result(response)
 

@@ -271,6 +271,33 @@ async def test_http_connection_refused(registry: ToolRegistry) -> None:
     message = error_of(await run(registry, "refused", {}))
     assert message.startswith("request to http://127.0.0.1:")
     assert "failed: " in message
+    assert "taken effect" not in message  # it never reached the tool
+
+
+async def test_http_connection_dropped_after_sending_may_have_taken_effect() -> None:
+    # The tool read the request and closed the connection without an answer: it may have
+    # acted on it, so the error must not read as "nothing happened".
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def hang_up() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    client = SharedHttpClient()
+    handler = HttpToolHandler(f"http://127.0.0.1:{port}/x", client=client, timeout_s=5)
+    try:
+        with pytest.raises(ToolFailed) as failed:
+            await handler({"charge": 5}, SESSION_CTX)
+    finally:
+        await client.aclose()
+        thread.join(timeout=5)
+        listener.close()
+    assert str(failed.value).startswith(f"request to http://127.0.0.1:{port} failed: ")
+    assert str(failed.value).endswith("; it may or may not have taken effect")
 
 
 async def test_http_schema_failure_sends_nothing(server: LocalServer) -> None:

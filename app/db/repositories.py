@@ -170,19 +170,6 @@ class RunRepository:
             )
         )
 
-    async def started_after(self, run: models.Run) -> bool:
-        """Whether another run of the same session started after `run`."""
-        newer = await self._s.scalar(
-            select(models.Run.id)
-            .where(
-                models.Run.session_id == run.session_id,
-                models.Run.created_at > run.created_at,
-                models.Run.id != run.id,
-            )
-            .limit(1)
-        )
-        return newer is not None
-
     @staticmethod
     def _running(session_id: str) -> Select[str]:
         return select(models.Run.id).where(

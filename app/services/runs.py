@@ -45,8 +45,6 @@ from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
-UNFINISHED = (RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
-
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
     """A hash of the request body as parsed JSON, to tell a retry from a different request.
@@ -147,13 +145,13 @@ class RunService:
     ) -> RunResult | None:
         """The session is busy: answer as if it were not for what does not depend on that
         (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
-        a finished keyed turn); otherwise 409 naming the run that holds it. None: nobody ran
-        a turn on it after all (another replica held it to refuse or replay a request), so
-        try again, until `retry_until`."""
+        a keyed turn that will not run again); otherwise 409 naming the run that holds it.
+        None: nobody ran a turn on it after all (another replica held it to refuse or replay
+        a request), so try again, until `retry_until`."""
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
-        if earlier is not None and earlier.status not in UNFINISHED:
-            return await self._replay(earlier, turn)
+        if earlier is not None and earlier.status != RunStatus.RUNNING.value:
+            return await self._replay(earlier, turn)  # it will not run again (_run_owned)
         active = await self._active_run(busy, turn)
         if active is None and time.monotonic() < retry_until:
             return None
@@ -178,9 +176,12 @@ class RunService:
         stored = await self._load(turn, body)
         history, earlier = stored.history, stored.earlier
         if earlier is not None:
-            # A turn that finished while we waited, or that a later turn has overtaken, is not
-            # run again: its stored record is the answer.
-            if earlier.status not in UNFINISHED or stored.overtaken:
+            # Only a turn still stored `running` (its runner died, no turn has started since)
+            # goes on. One that finished while we waited is not run again, nor one a later
+            # turn has overtaken: that turn's start stored it `interrupted` (the database's
+            # order, not the replicas' clocks), and continuing it would store its messages
+            # after the later turn's. Its stored record is the answer.
+            if earlier.status != RunStatus.RUNNING.value:
                 return await self._replay(earlier, turn)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
@@ -261,7 +262,6 @@ class RunService:
                 history=await MessageRepository(session).history(row.key),
                 left_running=await runs.running_ids(row.id),
                 earlier=earlier,
-                overtaken=earlier is not None and await runs.started_after(earlier),
             )
 
     @staticmethod
@@ -319,7 +319,6 @@ class _Stored:
     history: list[Message] = field(default_factory=list)
     left_running: list[str] = field(default_factory=list)  # runs whose runner died
     earlier: models.Run | None = None  # the run an earlier request with this key started
-    overtaken: bool = False  # whether a later run has started since `earlier`
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

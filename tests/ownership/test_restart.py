@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
+
 import httpx
 import pytest
+from sqlalchemy import Connection, select, update
 
+from app.db.models import Run
+from app.db.session import Database
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     Background,
@@ -166,6 +172,50 @@ def test_interrupted_keyed_turn_before_write_1_is_continued(
         "post_slack",
     ]
     assert_history_consistent(messages)
+
+
+def test_interrupted_keyed_turn_a_later_turn_overtook_is_answered_from_its_record(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer, database_url: str
+) -> None:
+    """Same key after a later turn has started on the session: continuing the crashed turn
+    would store its messages after that turn's, so its stored record is the answer. Which
+    turn came later is the database's order, not the replicas' clocks: here the crashed
+    turn's replica ran an hour fast, and its turn was continued after the later one."""
+    session, message, key = "s-keyed-overtaken", "Triage issue 24", "turn-24"
+    body = run_body("triage", message, session)
+    crash_with_failpoint(
+        servers.start("crashed", failpoints="after-handlers"), body, {"Idempotency-Key": key}
+    )
+    asyncio.run(run_clock_ahead(database_url, session, timedelta(hours=1)))
+    with servers.start("restarted").client() as client:
+        (crashed,) = session_runs(client, session)
+        later = ok(client.post("/v1/runs", json=run_body("triage", "Triage issue 25", session)))
+        assert later["status"] == "complete", later
+        messages = history(client, session)
+        model_calls, tools_run = len(fake_model.requests), len(tool_server.invocations)
+        again = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        assert history(client, session) == messages
+    assert again.headers.get("idempotent-replayed") == "true"
+    replayed = ok(again)
+    assert (replayed["run_id"], replayed["status"]) == (crashed["run_id"], "interrupted")
+    assert (len(fake_model.requests), len(tool_server.invocations)) == (model_calls, tools_run)
+    assert_history_consistent(messages)
+
+
+async def run_clock_ahead(database_url: str, session_id: str, ahead: timedelta) -> None:
+    """Move the session's runs' start times ahead, as a replica whose clock is fast would
+    have stamped them."""
+    db = await Database.connect(database_url, pool_size=1)
+
+    def move(conn: Connection) -> None:
+        runs = conn.execute(select(Run.id, Run.created_at).where(Run.session_id == session_id))
+        for run_id, created_at in runs.all():
+            conn.execute(update(Run).where(Run.id == run_id).values(created_at=created_at + ahead))
+
+    try:
+        await db.writes.transact(move)
+    finally:
+        await db.dispose()
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

@@ -161,12 +161,6 @@ def one_idempotency_key(request: Request) -> None:
         raise RequestValidationError([_invalid("header", "Idempotency-Key", "must be sent once")])
 
 
-def accepting_runs(services: ServicesDep) -> None:
-    """Refuse new runs once shutdown has begun (503 shutting_down)."""
-    if services.lifecycle.draining:
-        raise ShuttingDown()
-
-
 def cut_off(lifecycle: Lifecycle) -> ShuttingDown | None:
     """Called on the cancellation of a run: what to answer if shutdown cut it off.
 

@@ -57,6 +57,33 @@ async def test_while_draining_reads_are_answered_and_new_runs_refused(
     assert fake_model.requests == []
 
 
+async def test_while_draining_a_finished_keyed_turn_is_still_replayed(
+    database_url: str, agents_file: Path, fake_model: FakeAnthropic
+) -> None:
+    # §4: a finished turn answers its stored result. A replica that had taken its SIGTERM in
+    # answered such a retry 503 shutting_down, as if the turn had not run.
+    app = build_app(database_url, agents_file, fake_model)
+    body = {"agent": "echo", "message": "hi", "session_id": "s-drain"}
+    key = {"Idempotency-Key": "turn-1"}
+    async with serve(app) as client:
+        ran = await client.post("/v1/runs", json=body, headers=key)
+        assert ran.status_code == 200, ran.text
+        model_calls = len(fake_model.requests)
+        app.state.lifecycle.drain()
+        await asyncio.sleep(0.05)  # the loop runs what drain() scheduled
+
+        replayed = await client.post("/v1/runs", json=body, headers=key)
+        assert replayed.status_code == 200, replayed.text
+        assert replayed.headers.get("idempotent-replayed") == "true"
+        assert replayed.json() == ran.json()
+        for refused in (
+            await client.post("/v1/runs", json=body, headers={"Idempotency-Key": "turn-2"}),
+            await client.post("/v1/runs", json=body),
+        ):
+            assert_problem(refused, 503, "shutting_down")
+    assert len(fake_model.requests) == model_calls
+
+
 class ClosingModel:
     """A model client that only records being closed."""
 

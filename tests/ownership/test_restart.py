@@ -202,6 +202,35 @@ def test_interrupted_keyed_turn_a_later_turn_overtook_is_answered_from_its_recor
     assert_history_consistent(messages)
 
 
+def test_keyed_turn_that_stored_nothing_before_a_later_turn_runs_after_it(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """Same key after a crash before write #1 and a later turn: the crashed turn stored no
+    message, so going on puts nothing out of order; it runs after the later turn, under its
+    run_id (it was answered from its record, `interrupted`, with its message never stored)."""
+    session, message, key = "s-keyed-nothing-stored", "Triage issue 26", "turn-26"
+    body = run_body("triage", message, session)
+    crash_with_failpoint(
+        servers.start("crashed", failpoints="before-write-1"), body, {"Idempotency-Key": key}
+    )
+    with servers.start("restarted").client() as client:
+        (crashed,) = session_runs(client, session)
+        later = ok(client.post("/v1/runs", json=run_body("triage", "Triage issue 27", session)))
+        before = history(client, session)
+        response = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        messages = history(client, session)
+    assert "idempotent-replayed" not in response.headers
+    run = ok(response)
+    assert (run["run_id"], run["status"]) == (crashed["run_id"], "complete")
+    assert {m["run_id"] for m in before} == {later["run_id"]}
+    assert messages[: len(before)] == before
+    turn = messages[len(before) :]
+    assert [(m["role"], m["content"]) for m in turn[:1]] == [("user", message)]
+    assert {m["run_id"] for m in turn} == {run["run_id"]}
+    assert sorted(i.tool for i in tool_server.invocations) == ["get_issue"] * 2 + ["post_slack"] * 2
+    assert_history_consistent(messages)
+
+
 async def run_clock_ahead(database_url: str, session_id: str, ahead: timedelta) -> None:
     """Move the session's runs' start times ahead, as a replica whose clock is fast would
     have stamped them."""

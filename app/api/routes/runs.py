@@ -12,7 +12,6 @@ from app.api.deps import (
     RunServiceDep,
     ServicesDep,
     TenantDep,
-    accepting_runs,
     cut_off,
     one_idempotency_key,
 )
@@ -68,7 +67,7 @@ RUN_LINKS = {
 
 @router.post(
     "",
-    dependencies=[Depends(accepting_runs), Depends(one_idempotency_key)],
+    dependencies=[Depends(one_idempotency_key)],
     responses=responses(
         Unauthorized,
         SessionAccessDenied,
@@ -98,6 +97,14 @@ async def create_run(
     idempotency_key: IdempotencyKey = None,
 ) -> RunRead:
     """Run one turn of an agent and answer when it ends."""
+    if services.lifecycle.draining:  # shutting down: no new run, but a finished one's record
+        replay = await services.runs.replay_finished(
+            body, tenant_id=tenant, idempotency_key=idempotency_key
+        )
+        if replay is None:
+            raise ShuttingDown()
+        response.headers["Idempotent-Replayed"] = "true"
+        return replay.run
     try:
         result = await services.runs.create(body, tenant_id=tenant, idempotency_key=idempotency_key)
     except asyncio.CancelledError:

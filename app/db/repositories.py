@@ -222,9 +222,9 @@ def delete_session(
         .where(models.Session.id == session_id, text(fence_sql).bindparams(**fence))
         .with_for_update()
     )
-    if conn.execute(owned).first() is None:
+    key = conn.execute(owned).scalar()
+    if key is None:
         raise SessionConflict(session_id)
-    key = select(models.Session.key).where(models.Session.id == session_id).scalar_subquery()
     conn.execute(delete(models.Message).where(models.Message.session_key == key))
     conn.execute(delete(models.Run).where(models.Run.session_id == session_id))
     conn.execute(delete(models.Session).where(models.Session.id == session_id))

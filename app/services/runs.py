@@ -150,9 +150,9 @@ class RunService:
     ) -> RunResult | None:
         """The session is busy: answer as if it were not for what does not depend on that
         (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
-        a finished keyed turn); otherwise 409 naming the run that holds it.
-        None: nobody ran a turn on it after all (another replica held it to refuse or replay
-        a request), so try again, until `retry_until`."""
+        a finished keyed turn); otherwise 409 naming the run that holds it. None: nobody ran
+        a turn on it after all (another replica held it to refuse or replay a request), so
+        try again, until `retry_until`."""
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
         if earlier is not None and earlier.status in FINISHED:

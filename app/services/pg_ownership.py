@@ -151,7 +151,7 @@ class PostgresOwnership:
 
     def _stale(self) -> bool:
         """The last heartbeat is older than a holder may go without one and still dispatch."""
-        return time.monotonic() - self._last_beat > self._takeover_after_s / 2
+        return time.monotonic() - self._last_beat > self._statement_timeout_s
 
     async def is_held(self, session_id: str) -> bool:
         return bool(await self.held_among([session_id]))

@@ -103,6 +103,15 @@ class MessageRepository:
         )
         return [row_to_message(r) for r in rows]
 
+    async def stored_any(self, session_key: int, run_id: str) -> bool:
+        """Whether the run has stored a message in the session."""
+        first = await self._s.scalar(
+            select(models.Message.seq)
+            .where(models.Message.session_key == session_key, models.Message.run_id == run_id)
+            .limit(1)
+        )
+        return first is not None
+
     async def last_tool_steps(self, session_keys: Sequence[int]) -> dict[int, list[Message]]:
         """Per session, the last assistant message that asked for tools and everything after
         it (sessions that never asked for a tool are left out): one query for a page. Only

@@ -45,11 +45,6 @@ from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
 
-# The statuses of a run that has ended for good (`interrupted` may be taken up again).
-FINISHED = frozenset(
-    s.value for s in RunStatus if s not in (RunStatus.RUNNING, RunStatus.INTERRUPTED)
-)
-
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
     """A hash of the request body as parsed JSON, to tell a retry from a different request.
@@ -150,12 +145,12 @@ class RunService:
     ) -> RunResult | None:
         """The session is busy: answer as if it were not for what does not depend on that
         (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
-        a finished keyed turn); otherwise 409 naming the run that holds it. None: nobody ran
-        a turn on it after all (another replica held it to refuse or replay a request), so
-        try again, until `retry_until`."""
+        a keyed turn that will not run again); otherwise 409 naming the run that holds it.
+        None: nobody ran a turn on it after all (another replica held it to refuse or replay
+        a request), so try again, until `retry_until`."""
         assert body.session_id is not None
         earlier = await self._precheck(turn, body)
-        if earlier is not None and earlier.status in FINISHED:
+        if earlier is not None:  # a keyed turn that will not run again: its record
             return await self._replay(earlier, turn)
         active = await self._active_run(busy, turn)
         if active is None and time.monotonic() < retry_until:
@@ -181,7 +176,7 @@ class RunService:
         stored = await self._load(turn, body)
         history, earlier = stored.history, stored.earlier
         if earlier is not None:
-            if not _goes_on(earlier, history):
+            if not _goes_on(earlier, stored_any=any(m.run_id == earlier.id for m in history)):
                 return await self._replay(earlier, turn)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
@@ -213,26 +208,32 @@ class RunService:
             fingerprint=fingerprint(body) if key is not None else None,
         )
 
-    async def replay_finished(
+    async def replay_recorded(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None
     ) -> RunResult | None:
-        """The stored answer of the finished keyed turn this request names, if it names one:
-        a replica that takes no new runs (shutting down) still answers those."""
+        """The stored answer of the keyed turn this request names, if its record is its
+        answer (it will not run again): a replica that takes no new runs (shutting down)
+        still answers those."""
         if body.session_id is None or idempotency_key is None or not self.db.durable:
             return None
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
         earlier = await self._precheck(turn, body)
-        if earlier is None or earlier.status not in FINISHED:
-            return None
-        return await self._replay(earlier, turn)
+        return None if earlier is None else await self._replay(earlier, turn)
 
     async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
-        """May the caller use the session? The run an earlier request with this key started."""
+        """May the caller use the session? The run an earlier request with this key started,
+        if it will not run again (its record is the answer; see `_goes_on`)."""
         async with self.db.reads.begin() as session:
             row = await self._usable_session(session, turn, body)
             if row is None:
                 return None
-            return await self._keyed(RunRepository(session), row.id, turn, body)
+            earlier = await self._keyed(RunRepository(session), row.id, turn, body)
+            if earlier is None:
+                return None
+            stored_any = earlier.status == RunStatus.INTERRUPTED.value and (
+                await MessageRepository(session).stored_any(row.key, earlier.id)
+            )
+            return None if _goes_on(earlier, stored_any=stored_any) else earlier
 
     @staticmethod
     async def _usable_session(
@@ -334,18 +335,16 @@ class _Stored:
     earlier: models.Run | None = None  # the run an earlier request with this key started
 
 
-def _goes_on(earlier: models.Run, history: list[Message]) -> bool:
+def _goes_on(earlier: models.Run, *, stored_any: bool) -> bool:
     """Whether the keyed turn `earlier`, found again, is continued rather than answered from
     its record: one still stored `running` (its runner died, no turn has started since), or
     one a later turn has overtaken (its start stored it `interrupted`: the database's order,
     not the replicas' clocks) before it stored anything, which then simply runs after that
-    turn. One that had stored messages would have the rest stored after the later turn's;
-    its record is the answer, as a finished turn's is."""
+    turn. One that had stored messages (`stored_any`) would have the rest stored after the
+    later turn's; its record is the answer, as a finished turn's is."""
     if earlier.status == RunStatus.RUNNING.value:
         return True
-    return earlier.status == RunStatus.INTERRUPTED.value and not any(
-        m.run_id == earlier.id for m in history
-    )
+    return earlier.status == RunStatus.INTERRUPTED.value and not stored_any
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

@@ -27,6 +27,7 @@ from tests.ownership.helpers import (
     user_messages,
 )
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 
@@ -187,7 +188,8 @@ def test_interrupted_keyed_turn_a_later_turn_overtook_is_answered_from_its_recor
         servers.start("crashed", failpoints="after-handlers"), body, {"Idempotency-Key": key}
     )
     asyncio.run(run_clock_ahead(database_url, session, timedelta(hours=1)))
-    with servers.start("restarted").client() as client:
+    restarted = servers.start("restarted")
+    with restarted.client() as client:
         (crashed,) = session_runs(client, session)
         later = ok(client.post("/v1/runs", json=run_body("triage", "Triage issue 25", session)))
         assert later["status"] == "complete", later
@@ -195,10 +197,26 @@ def test_interrupted_keyed_turn_a_later_turn_overtook_is_answered_from_its_recor
         model_calls, tools_run = len(fake_model.requests), len(tool_server.invocations)
         again = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
         assert history(client, session) == messages
-    assert again.headers.get("idempotent-replayed") == "true"
-    replayed = ok(again)
-    assert (replayed["run_id"], replayed["status"]) == (crashed["run_id"], "interrupted")
-    assert (len(fake_model.requests), len(tool_server.invocations)) == (model_calls, tools_run)
+        # While another turn holds the session, the record is still the answer (it was a 409
+        # saying a run was in progress, as if this one could still run).
+        fake_model.set_delay(2)
+        busy = Background(restarted.url, run_body("triage", "Triage issue 28", session))
+        wait_for(
+            lambda: session_status(client, session) == "running",
+            timeout=15,
+            what="another turn holding the session",
+        )
+        while_busy = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        fake_model.set_delay(0)
+        busy_answer = busy.join(30)
+        assert isinstance(busy_answer, httpx.Response), busy_answer
+        assert ok(busy_answer)["status"] == "complete"
+    for response in (again, while_busy):
+        assert response.headers.get("idempotent-replayed") == "true"
+        replayed = ok(response)
+        assert (replayed["run_id"], replayed["status"]) == (crashed["run_id"], "interrupted")
+    assert len(tool_server.invocations) == tools_run + 2  # the busy turn's, none of this one's
+    assert len(fake_model.requests) == model_calls + 2  # idem
     assert_history_consistent(messages)
 
 

@@ -97,8 +97,8 @@ async def create_run(
     idempotency_key: IdempotencyKey = None,
 ) -> RunRead:
     """Run one turn of an agent and answer when it ends."""
-    if services.lifecycle.draining:  # shutting down: no new run, but a finished one's record
-        replay = await services.runs.replay_finished(
+    if services.lifecycle.draining:  # shutting down: no new run, but a recorded one's answer
+        replay = await services.runs.replay_recorded(
             body, tenant_id=tenant, idempotency_key=idempotency_key
         )
         if replay is None:

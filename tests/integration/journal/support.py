@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from app.db import models
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository
 from app.db.session import Database
-from app.domain import Message, Role, ToolCall, ToolResult, durability_error
+from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, durability_error
 from app.metrics import Metrics
-from app.services.journal import DurableJournal, Turn
+from app.services.journal import DurableJournal, RunEnd, Turn
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
@@ -58,6 +58,24 @@ async def start(
     if repairs:
         await journal.record_repairs(turn, repairs)
     return turn
+
+
+async def overtaken_after_write_1(journal: DurableJournal) -> tuple[Turn, Turn]:
+    """A turn whose runner stopped after write #1 (its calls orphaned), and the later turn
+    that took the session over: it repaired those calls, marked the first interrupted and
+    ended complete. Returns (first, later)."""
+    first = await start(journal, "buy it")
+    first.iterations = 1
+    await journal.record_step(first, Message.assistant("on it", CALLS))
+    later = await start(
+        journal,
+        "other",
+        stored_count=2,
+        repairs=repairs_for(first.run_id),
+        interrupted=[first.run_id],
+    )
+    await journal.record_end(later, Message.assistant("fine"), RunEnd(RunStatus.COMPLETE, "fine"))
+    return first, later
 
 
 def results_for(*calls: ToolCall) -> list[Message]:

@@ -9,6 +9,7 @@ from app.services.journal import DurableJournal, RunEnd, Turn
 from tests.integration.journal.support import (
     CALLS,
     new_turn,
+    overtaken_after_write_1,
     read,
     repairs_for,
     results_for,
@@ -110,17 +111,7 @@ async def interrupted_then_continued(db: Database, journal: DurableJournal) -> t
     Returns (crashed, continued): the continued turn is the crashed run picked up again
     (same Idempotency-Key), built as RunService._continue builds it, and started.
     """
-    crashed = await start(journal, "buy it")
-    crashed.iterations = 1
-    await journal.record_step(crashed, Message.assistant("on it", CALLS))
-    other = await start(
-        journal,
-        "other",
-        stored_count=2,
-        repairs=repairs_for(crashed.run_id),
-        interrupted=[crashed.run_id],
-    )
-    await journal.record_end(other, Message.assistant("fine"), RunEnd(RunStatus.COMPLETE, "fine"))
+    crashed, _ = await overtaken_after_write_1(journal)
     continued = new_turn("buy it", stored_count=6)
     continued.run_id = crashed.run_id
     continued.created_at = crashed.created_at

@@ -27,8 +27,8 @@ from tests.integration.journal.support import (
     CALLS,
     SESSION,
     new_turn,
+    overtaken_after_write_1,
     read,
-    repairs_for,
     results_for,
     shape,
     start,
@@ -211,17 +211,8 @@ async def test_a_stale_turn_conflicts_and_writes_nothing(
 async def test_a_runner_taken_over_after_its_start_fails_every_later_write(
     db: Database, journal: DurableJournal
 ) -> None:
-    stalled = await start(journal, "one")
-    await journal.record_step(stalled, Message.assistant("", CALLS))
     # Another runner took the session over: it repaired the step and ended its own turn.
-    taker = await start(
-        journal,
-        "two",
-        stored_count=2,
-        repairs=repairs_for(stalled.run_id),
-        interrupted=[stalled.run_id],
-    )
-    await journal.record_end(taker, Message.assistant("done"), RunEnd(RunStatus.COMPLETE, "done"))
+    stalled, taker = await overtaken_after_write_1(journal)
     before = await read(db, stalled.run_id, taker.run_id)
 
     # The stalled runner wakes up with its handlers' results.

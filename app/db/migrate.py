@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config(None)).get_current_head()
 
 
+@functools.cache  # the build's migrations do not change while it runs; /readyz asks often
 def known_revisions() -> frozenset[str]:
     """Every migration this build has (a schema at another one is a newer build's)."""
     scripts = ScriptDirectory.from_config(alembic_config(None))

@@ -102,6 +102,33 @@ class ToolResult:
         return cls(call.id, call.name, json_text({"error": message}), True)
 
 
+def truncated_result(result: ToolResult, *, limit: int, head: str | None = None) -> ToolResult:
+    """`result` cut to `limit` bytes of JSON text: {"kind": "tool-result-truncated", "note",
+    "head"}, where `head` is the start of its text (or, given, the start of a result too
+    large to be read whole). `is_error` is kept: the call ran as it did, only what it said
+    is cut."""
+    text = result.content if head is None else head
+    size = f"{len(text.encode()):,}" if head is None else f"more than {limit:,}"
+    note = (
+        f"The tool's result was {size} bytes, over this runner's limit of {limit:,}"
+        " (TOOL_RESULT_MAX_BYTES): `head` is its start, cut off mid-value."
+    )
+
+    def wrapped(head: str) -> str:
+        return json_text({"kind": "tool-result-truncated", "note": note, "head": head})
+
+    # The longest start that fits once escaped (a character takes 1 to 6 bytes there).
+    low, high = 0, min(len(text), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(wrapped(text[:middle]).encode()) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    content = wrapped(text[:low])
+    return ToolResult(result.tool_call_id, result.tool_name, content, result.is_error)
+
+
 def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
     """The result stored for an orphaned call that is not safe to retry (CONTRACT §2)."""
     body = {

@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     ownership are created by the lifespan."""
     settings = settings or Settings()
     failpoints = Failpoints.parse(settings.failpoints)
-    registry = load_registry(settings.agents_file)
+    registry = load_registry(settings.agents_file, max_result_bytes=settings.tool_result_max_bytes)
     if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
         _refuse_unknown_scripts(registry, settings.agents_file)
     # Set but empty is refused (ApiKeys.parse), not taken for unset: a deployment template

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.db.urls import check_database_url
 from app.errors import ConfigError
+from app.tools.base import DEFAULT_MAX_RESULT_BYTES
 
 
 class Settings(BaseSettings):
@@ -37,6 +38,8 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     # On SIGTERM: stop taking runs, give runs in progress this long to finish, then exit.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # A tool result longer than this (bytes of its JSON text) is kept truncated.
+    tool_result_max_bytes: int = Field(default=DEFAULT_MAX_RESULT_BYTES, ge=1024)
 
     @model_validator(mode="after")
     def _takeover_spans_missed_heartbeats(self) -> Settings:

@@ -23,7 +23,7 @@ from referencing.jsonschema import DRAFT202012
 
 from app.domain import nests_deeper_than
 from app.errors import ConfigError
-from app.tools.base import AgentConfig, Tool, ToolHandler
+from app.tools.base import DEFAULT_MAX_RESULT_BYTES, AgentConfig, Tool, ToolHandler
 from app.tools.http import HttpToolHandler, SharedHttpClient
 from app.tools.python import TargetError, description_of, load_python_handler
 from app.tools.registry import ToolRegistry
@@ -129,8 +129,11 @@ _REF_KEYWORDS = ("$ref", "$dynamicRef")
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-def load_registry(path: Path | None) -> ToolRegistry:
-    """Load the agents file at `path` (None: the built-in examples); raises ConfigError."""
+def load_registry(
+    path: Path | None, *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+) -> ToolRegistry:
+    """Load the agents file at `path` (None: the built-in examples); raises ConfigError.
+    Tool results past `max_result_bytes` are kept truncated."""
     if path is None:
         label = "examples.yaml"
         text = resources.files("app").joinpath(BUILTIN_AGENTS_FILE).read_text(encoding="utf-8")
@@ -140,14 +143,16 @@ def load_registry(path: Path | None) -> ToolRegistry:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{label}: cannot read the agents file: {exc}") from exc
-    return parse_registry(text, label=label)
+    return parse_registry(text, label=label, max_result_bytes=max_result_bytes)
 
 
-def parse_registry(text: str, *, label: str) -> ToolRegistry:
+def parse_registry(
+    text: str, *, label: str, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+) -> ToolRegistry:
     """Build a registry from agents-file YAML; `label` names the file in error messages."""
     spec = _parse_file(text, label)
     problems: list[str] = []
-    http = SharedHttpClient()
+    http = SharedHttpClient(max_body_bytes=max_result_bytes)
     tools: dict[str, Tool] = {}
     for name, entry in spec.tools.items():
         try:
@@ -162,7 +167,7 @@ def parse_registry(text: str, *, label: str) -> ToolRegistry:
             problems.append(f"{label}: agent {name!r}: {exc}")
     if problems:
         raise ConfigError("\n".join(problems))
-    return ToolRegistry(tools, agents, http=http)
+    return ToolRegistry(tools, agents, http=http, max_result_bytes=max_result_bytes)
 
 
 class _Problem(Exception):

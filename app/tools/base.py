@@ -31,8 +31,23 @@ class ToolHandler(Protocol):
         ...
 
 
+# The largest result kept whole, in bytes of its JSON text (TOOL_RESULT_MAX_BYTES): every
+# result is sent back to the model with the history on each later call, so one past the
+# context window (or the API's request size) would fail every later turn of its session.
+DEFAULT_MAX_RESULT_BYTES = 256 * 1024
+
+
 class ToolFailed(Exception):
     """A handler's expected failure; its message becomes the `{"error": ...}` result."""
+
+
+class ResultTooLarge(Exception):
+    """A handler's result too large to be read whole (an HTTP tool's body past the limit):
+    `head` is its start as text, kept as a truncated result."""
+
+    def __init__(self, head: str) -> None:
+        super().__init__("result too large")
+        self.head = head
 
 
 @dataclass(frozen=True, slots=True)

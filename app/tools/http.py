@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from app.tools.base import ToolContext, ToolFailed
+from app.tools.base import DEFAULT_MAX_RESULT_BYTES, ResultTooLarge, ToolContext, ToolFailed
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,10 @@ class SharedHttpClient:
     it starts) opens no connection pool that nobody would close.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_body_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> None:
         self._client: httpx.AsyncClient | None = None
+        # How much of a response body is read: a result past it is kept truncated.
+        self.max_body_bytes = max_body_bytes
 
     def get(self) -> httpx.AsyncClient:
         """The shared client, created on first call."""
@@ -77,10 +79,13 @@ class HttpToolHandler:
         try:
             # httpx timeouts are per phase (connect, read, ...); asyncio.timeout bounds the
             # whole exchange so a slowly dripping server cannot hold the step for longer.
-            async with asyncio.timeout(self.timeout_s):
-                response = await self._client.get().post(
-                    self.url, json=arguments, headers=headers, timeout=self.timeout_s
-                )
+            async with (
+                asyncio.timeout(self.timeout_s),
+                self._client.get().stream(
+                    "POST", self.url, json=arguments, headers=headers, timeout=self.timeout_s
+                ) as response,
+            ):
+                body, whole = await _read(response, self._client.max_body_bytes)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolFailed(
                 f"timed out after {self.timeout_s:g}s calling {self.shown}; it may or may not"
@@ -93,27 +98,41 @@ class HttpToolHandler:
                 # acted on it, and the model must not take the error for "nothing happened".
                 detail += "; it may or may not have taken effect"
             raise ToolFailed(f"request to {self.shown} failed: {detail}") from exc
-        return self._result(response)
+        return self._result(response, body, whole=whole)
 
-    def _result(self, response: httpx.Response) -> Any:
+    def _result(self, response: httpx.Response, body: bytes, *, whole: bool) -> Any:
         status = response.status_code
+        text = body.decode(response.encoding or "utf-8", errors="replace")
         if not 200 <= status < 300:
-            excerpt = response.text[:BODY_EXCERPT_CHARS]
-            raise ToolFailed(f"HTTP {status} from {self.shown}: {excerpt}")
-        if not response.content.strip():
+            raise ToolFailed(f"HTTP {status} from {self.shown}: {text[:BODY_EXCERPT_CHARS]}")
+        if not whole:
+            raise ResultTooLarge(text)
+        if not body.strip():
             # An empty 2xx (e.g. 204) means the call succeeded with nothing to say. Reporting it
             # as an error would invite the model to repeat a side effect that already happened.
             return None
         try:
             # Strict JSON only (no NaN or Infinity, which no result can hold); a body nested
             # too deep to parse is not JSON to us either.
-            return json.loads(response.content, parse_constant=_not_json)
+            return json.loads(body, parse_constant=_not_json)
         except (ValueError, RecursionError) as exc:
-            excerpt = response.text[:BODY_EXCERPT_CHARS]
             raise ToolFailed(
                 f"HTTP {status} from {self.shown} but the body is not JSON (the request was "
-                f"accepted, so it may have taken effect): {excerpt}"
+                f"accepted, so it may have taken effect): {text[:BODY_EXCERPT_CHARS]}"
             ) from exc
+
+
+async def _read(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """The body's first `limit` bytes, and whether that is all of it (the rest is not read:
+    a tool answering a gigabyte takes no more of the runner's memory than the limit)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return b"".join(chunks)[:limit], False
+    return b"".join(chunks), True
 
 
 def _not_json(constant: str) -> Any:

@@ -15,9 +15,16 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from referencing import Registry
 
-from app.domain import ToolCall, ToolResult
+from app.domain import ToolCall, ToolResult, truncated_result
 from app.errors import AgentNotFound
-from app.tools.base import AgentConfig, Tool, ToolContext, ToolFailed
+from app.tools.base import (
+    DEFAULT_MAX_RESULT_BYTES,
+    AgentConfig,
+    ResultTooLarge,
+    Tool,
+    ToolContext,
+    ToolFailed,
+)
 from app.tools.http import SharedHttpClient
 
 log = logging.getLogger(__name__)
@@ -35,10 +42,12 @@ class ToolRegistry:
         agents: Mapping[str, AgentConfig],
         *,
         http: SharedHttpClient | None = None,
+        max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
         self.tools: dict[str, Tool] = dict(tools)
         self.agents: dict[str, AgentConfig] = dict(agents)
         self._http = http or SharedHttpClient()
+        self.max_result_bytes = max_result_bytes
         # Compiled once here, not per call: validator construction resolves the schema.
         self._validators = {
             name: _validator(tool.input_schema) for name, tool in self.tools.items()
@@ -63,7 +72,29 @@ class ToolRegistry:
         self, call: ToolCall, ctx: ToolContext, *, allowed: Collection[str]
     ) -> ToolResult:
         """Validate and run one call; every failure becomes an error result (it raises only
-        CancelledError, when the run itself is cancelled)."""
+        CancelledError, when the run itself is cancelled). A result past `max_result_bytes`
+        is kept truncated."""
+        limit = self.max_result_bytes
+        try:
+            result = await self._execute(call, ctx, allowed)
+        except ResultTooLarge as exc:
+            result = truncated_result(
+                ToolResult(call.id, call.name, ""), limit=limit, head=exc.head
+            )
+        else:
+            # A character is at most 4 bytes: most results are measured without encoding.
+            if len(result.content) * 4 <= limit or len(result.content.encode()) <= limit:
+                return result
+            result = truncated_result(result, limit=limit)
+        log.warning(
+            "tool result over TOOL_RESULT_MAX_BYTES kept truncated",
+            extra={"tool_name": call.name, "tool_call_id": call.id, "run_id": ctx.run_id},
+        )
+        return result
+
+    async def _execute(
+        self, call: ToolCall, ctx: ToolContext, allowed: Collection[str]
+    ) -> ToolResult:
         tool = self.tools.get(call.name) if call.name in allowed else None
         if tool is None:
             return ToolResult.error(call, f"unknown tool {call.name!r}")
@@ -76,6 +107,8 @@ class ToolRegistry:
                 # A copy: the call is stored as it came and sent back to the model with the
                 # history, so a handler changing its arguments must not change them there.
                 value = await tool.handler(copy.deepcopy(call.arguments), ctx)
+        except ResultTooLarge:
+            raise
         except ToolFailed as exc:
             # The error text can carry a downstream body, which is never logged.
             log.info("tool failed", extra=extra)

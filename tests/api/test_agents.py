@@ -8,6 +8,7 @@ from tests.api.helpers import all_pages, assert_problem, get_ok
 
 AGENTS = [
     "bad-ids",
+    "big-read",
     "broken-model",
     "context-cut-off",
     "cut-off",

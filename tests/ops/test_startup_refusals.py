@@ -81,10 +81,11 @@ def test_an_unknown_log_level_is_refused(tmp_path: Path) -> None:
 
 
 def test_values_of_the_wrong_type_are_named_one_line_each(tmp_path: Path) -> None:
-    env = {"ANTHROPIC_TIMEOUT_S": "abc", "LOG_FORMAT": "xml"}
+    env = {"ANTHROPIC_TIMEOUT_S": "abc", "LOG_FORMAT": "xml", "TOOL_RESULT_MAX_BYTES": "100"}
     logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'types.db'}", env)
     assert "invalid environment: ANTHROPIC_TIMEOUT_S: Input should be a valid number" in logs
     assert "; LOG_FORMAT: Input should be 'json' or 'text'" in logs, logs
+    assert "; TOOL_RESULT_MAX_BYTES: Input should be greater than or equal to 1024" in logs
 
 
 def test_a_takeover_time_shorter_than_four_heartbeats_is_refused(tmp_path: Path) -> None:

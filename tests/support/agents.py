@@ -27,7 +27,15 @@ tools:
     input_schema: {{type: object, properties: {{text: {{type: string}}}}, required: [text]}}
     safe_to_retry: true
     http: {{url: "{tools}/slow_post", timeout_s: 60}}
+  big_read:
+    description: A read answering more than a megabyte
+    input_schema: {{type: object, properties: {{id: {{type: string}}}}, required: [id]}}
+    safe_to_retry: true
+    http: {{url: "{tools}/big_read", timeout_s: 10}}
 agents:
+  big-read:
+    model: "plan:big_read"
+    tools: [big_read]
   triage:
     model: "plan:get_issue,post_slack"
     system: You triage incoming issues.

@@ -5,6 +5,7 @@ Routes (all POST, JSON body = the tool input, as agent-runner's HTTP tools send 
 - `/post_slack`: the side effect whose at-most-once execution the tests check.
 - `/slow_post`: a side effect that blocks until `release()` (or its timeout), so a test can
   kill the runner while the handler is in flight.
+- `/big_read`: a pure read answering BIG_READ_ROWS rows (about 1.3 MB of JSON).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tests.support.threaded import ThreadedServer
+
+BIG_READ_ROWS = [f"row {i:06d} of the big read" for i in range(50_000)]
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,13 @@ class ToolServer(ThreadedServer):
             await asyncio.to_thread(self._released.wait, 30)
             return JSONResponse({"ok": True})
 
+        async def big_read(request: Request) -> JSONResponse:
+            self._record("big_read", request, await request.json())
+            return JSONResponse({"rows": BIG_READ_ROWS})
+
         return Starlette(
             routes=[
+                Route("/big_read", big_read, methods=["POST"]),
                 Route("/get_issue", get_issue, methods=["POST"]),
                 Route("/post_slack", post_slack, methods=["POST"]),
                 Route("/slow_post", slow_post, methods=["POST"]),

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from app.api.problems import PROBLEM_JSON
+from app.api.problems import PROBLEM_JSON, documented_problem
 from app.errors import AppError, PayloadTooLarge
 
 # What app.api.deps.plain_parameters lets through: any string without NUL.
@@ -50,13 +50,9 @@ def _auth_as_optional(operation: dict[str, Any]) -> None:
 def _problems_of_every_route(operation: dict[str, Any]) -> None:
     """What any route may answer: 413 for a body over the limit (on any method, before the
     route is reached), and 500 for what went wrong unforeseen."""
-    for status, error in ((413, PayloadTooLarge), (500, AppError)):
+    for error in (PayloadTooLarge, AppError):
         operation["responses"].setdefault(
-            str(status),
-            {
-                "description": f"A problem; code `{error.code}`",
-                "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
-            },
+            str(error.status), documented_problem(error.status, [error.code])
         )
 
 

@@ -168,15 +168,18 @@ def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:
     codes: dict[int, list[str]] = {}
     for error in errors:
         codes.setdefault(error.status, []).append(error.code)
-    schema = {"schema": {"$ref": "#/components/schemas/Problem"}}
-    documented: dict[int | str, dict[str, Any]] = {}
-    for status, named in sorted(codes.items()):
-        response = {
-            "model": Problem,
-            "content": {PROBLEM_JSON: schema},
-            "description": "A problem; code " + " or ".join(f"`{code}`" for code in named),
-        }
-        if status in _PROBLEM_HEADERS:
-            response["headers"] = _PROBLEM_HEADERS[status]
-        documented[status] = response
-    return documented
+    return {
+        status: {"model": Problem, **documented_problem(status, named)}
+        for status, named in sorted(codes.items())
+    }
+
+
+def documented_problem(status: int, codes: list[str]) -> dict[str, Any]:
+    """The OpenAPI response of a problem of this status, naming the `codes` it may carry."""
+    response: dict[str, Any] = {
+        "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        "description": "A problem; code " + " or ".join(f"`{code}`" for code in codes),
+    }
+    if status in _PROBLEM_HEADERS:
+        response["headers"] = _PROBLEM_HEADERS[status]
+    return response

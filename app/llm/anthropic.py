@@ -42,6 +42,9 @@ _TYPE_BY_STATUS = {
     529: "overloaded_error",
 }
 
+# A request id quoted in an error (the API's are `req_…`); anything else is not quoted.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
 # What the API accepts back in a tool_use block it is sent (its own ids are `toolu_…`).
 _TOOL_USE_ID = re.compile(r"[A-Za-z0-9_-]+")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -296,6 +299,10 @@ def _to_llm_error(err: anthropic.AnthropicError | TimeoutError, *, timeout_s: fl
         else:
             retryable = status in (408, 409, 429) or status >= 500
         detail = err.api_message or "no message"
+        # What Anthropic's support asks for to find the call.
+        request_id = err.request_id
+        if isinstance(request_id, str) and _REQUEST_ID.fullmatch(request_id):
+            detail += f" (request-id {request_id})"
         return LLMError(
             f"Model API error {status} ({error_type}): {detail}",
             type=error_type,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -251,6 +252,8 @@ async def test_api_errors_map_to_llm_error(
     assert caught.value.type == error_type
     assert caught.value.retryable is retryable
     assert str(status) in caught.value.message
+    # The API's request id, which its support asks for, ends the message.
+    assert re.search(r" \(request-id req_[0-9a-f]{24}\)$", caught.value.message), caught.value
     assert len(fake.requests) == 1
 
 

@@ -102,11 +102,11 @@ class HttpToolHandler:
 
     def _result(self, response: httpx.Response, body: bytes, *, whole: bool) -> Any:
         status = response.status_code
-        text = body.decode(response.encoding or "utf-8", errors="replace")
         if not 200 <= status < 300:
-            raise ToolFailed(f"HTTP {status} from {self.shown}: {text[:BODY_EXCERPT_CHARS]}")
+            excerpt = _text(response, body)[:BODY_EXCERPT_CHARS]
+            raise ToolFailed(f"HTTP {status} from {self.shown}: {excerpt}")
         if not whole:
-            raise ResultTooLarge(text)
+            raise ResultTooLarge(_text(response, body))
         if not body.strip():
             # An empty 2xx (e.g. 204) means the call succeeded with nothing to say. Reporting it
             # as an error would invite the model to repeat a side effect that already happened.
@@ -116,10 +116,19 @@ class HttpToolHandler:
             # too deep to parse is not JSON to us either.
             return json.loads(body, parse_constant=_not_json)
         except (ValueError, RecursionError) as exc:
+            excerpt = _text(response, body)[:BODY_EXCERPT_CHARS]
             raise ToolFailed(
                 f"HTTP {status} from {self.shown} but the body is not JSON (the request was "
-                f"accepted, so it may have taken effect): {text[:BODY_EXCERPT_CHARS]}"
+                f"accepted, so it may have taken effect): {excerpt}"
             ) from exc
+
+
+def _text(response: httpx.Response, body: bytes) -> str:
+    """The body as text, in its charset where that names a text encoding, else UTF-8."""
+    try:
+        return body.decode(response.encoding or "utf-8", errors="replace")
+    except LookupError:  # e.g. `charset=rot13`: a codec, but not of bytes to text
+        return body.decode("utf-8", errors="replace")
 
 
 async def _read(response: httpx.Response, limit: int) -> tuple[bytes, bool]:

@@ -22,6 +22,7 @@ from tests.support.threaded import ThreadedServer
 from tests.unit.registry.support import CTX
 
 LIMIT = 2048
+ROT13_JSON = "application/json; charset=rot13"
 KIND = "tool-result-truncated"
 
 
@@ -146,6 +147,9 @@ def _tool_app() -> Starlette:
             return Response(body, media_type="application/json")
         if name == "large-error":
             return Response("down " * 100_000, status_code=503)
+        if name == "odd-charset":  # a codec, but not of bytes to text
+            status = 200 if request.query_params.get("ok") else 500
+            return Response('{"ok": "é"}'.encode(), status, media_type=ROT13_JSON)
         return Response(json.dumps({"ok": True}), media_type="application/json")
 
     return Starlette(routes=[Route("/{name}", endpoint, methods=["POST"])])
@@ -159,9 +163,11 @@ def tool_url() -> Iterator[str]:
 
 @pytest.fixture
 async def http_registry(tool_url: str) -> AsyncIterator[ToolRegistry]:
-    names = ("endless", "large", "large-error", "small")
+    paths = {n: n for n in ("endless", "large", "large-error", "small", "odd-charset")}
+    paths["odd-charset-ok"] = "odd-charset?ok=1"
     text = "tools:\n" + "".join(
-        f'  {n}:\n    http: {{url: "{tool_url}/{n}", timeout_s: 10}}\n' for n in names
+        f'  {n}:\n    http: {{url: "{tool_url}/{path}", timeout_s: 10}}\n'
+        for n, path in paths.items()
     )
     registry = parse_registry(text + "agents: {}\n", label="agents.yaml", max_result_bytes=LIMIT)
     try:
@@ -193,3 +199,12 @@ async def test_a_large_http_error_body_is_quoted_in_part(http_registry: ToolRegi
 async def test_a_small_http_body_is_the_result(http_registry: ToolRegistry) -> None:
     result = await execute(http_registry, "small")
     assert (result.is_error, json.loads(result.content)) == (False, {"ok": True})
+
+
+async def test_a_body_in_a_charset_that_is_no_text_encoding_is_read_as_utf_8(
+    http_registry: ToolRegistry,
+) -> None:
+    ok = await execute(http_registry, "odd-charset-ok")
+    assert (ok.is_error, json.loads(ok.content)) == (False, {"ok": "é"})
+    failed = await execute(http_registry, "odd-charset")
+    assert json.loads(failed.content)["error"].endswith(': {"ok": "é"}')

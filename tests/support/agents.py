@@ -63,6 +63,12 @@ agents:
   context-cut-off:
     model: "cutoff:post_slack:model_context_window_exceeded"
     tools: [post_slack]
+  cut-short:
+    model: "stopped:max_tokens"
+  refused:
+    model: "stopped:refusal"
+  newer-stop:
+    model: "stopped:{newer_stop}"
   slow-read:
     model: "plan:slow_read"
     tools: [slow_read]
@@ -81,8 +87,13 @@ agents:
 """
 
 
+# The stop reason of the `newer-stop` agent's answers: newer than the service, and longer
+# than the 64 characters a run keeps of it.
+NEWER_STOP = "a_stop_reason_newer_than_the_service" + "_and_longer" * 4
+
+
 def write_agents_file(directory: Path, tools_url: str) -> Path:
     """Write the test agents file pointing at `tools_url`; its path."""
     path = directory / "agents.yaml"
-    path.write_text(TEMPLATE.format(tools=tools_url))
+    path.write_text(TEMPLATE.format(tools=tools_url, newer_stop=NEWER_STOP))
     return path

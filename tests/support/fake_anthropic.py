@@ -9,6 +9,8 @@ crashed-and-resumed run gets consistent answers:
 * `fail:<status>`: always that error (529 overloaded_error, 429 rate_limit_error, ...).
 * `cutoff:<tool>`: a call of <tool> cut off by max_tokens (`stop_reason: "max_tokens"`);
   `cutoff:<tool>:<stop_reason>` with that stop reason instead.
+* `stopped:<stop_reason>`: a text-only answer (no tool call) with that stop reason, its text
+  `echo: <current user text>` cut short (`stopped:max_tokens`: an answer cut off midway).
 * `unstorable:<plan>`: as `plan:<plan>`, with a NUL and a lone surrogate (neither storable
   as text) ending every text and every string of the tool inputs.
 * `outsized:<plan>`: as `plan:<plan>`, with tool_use ids of 300 characters, one more call of
@@ -64,6 +66,7 @@ _ERROR_TEXT = {
     "api_error": "Internal server error",
     "authentication_error": "invalid x-api-key",
 }
+STOPPED_TEXT_CHARS = 12  # how much of its echo a `stopped:` answer gives
 _TOP_LEVEL_KEYS = {
     "model", "max_tokens", "messages", "system", "tools", "tool_choice", "metadata",
     "stop_sequences", "temperature", "top_k", "top_p", "thinking", "service_tier", "stream",
@@ -403,6 +406,9 @@ def scenario_reply(body: dict[str, Any]) -> dict[str, Any]:
             {"type": "tool_use", "id": "toolu_" + secrets.token_hex(12), "name": name, "input": {}},
         ]
         stop = stop or "max_tokens"
+    elif body["model"].startswith("stopped:"):
+        stop = body["model"].removeprefix("stopped:")
+        content = [{"type": "text", "text": f"echo: {user_text}"[:STOPPED_TEXT_CHARS]}]
     elif steps is None or (body.get("tool_choice") or {}).get("type") == "none":
         content, stop = [{"type": "text", "text": f"echo: {user_text}"}], "end_turn"
     elif k < len(steps):

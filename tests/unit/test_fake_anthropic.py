@@ -74,6 +74,14 @@ def test_echo_answers_the_current_user_text() -> None:
     assert reply["type"] == "message" and reply["id"].startswith("msg_")
 
 
+@pytest.mark.parametrize("stop_reason", ["max_tokens", "refusal", "pause_turn"])
+def test_stopped_answers_text_only_with_that_stop_reason(stop_reason: str) -> None:
+    reply = scenario_reply(body(f"stopped:{stop_reason}", [user(text("tell me everything"))]))
+
+    assert reply["content"] == [{"type": "text", "text": "echo: tell m"}]  # cut short
+    assert reply["stop_reason"] == stop_reason
+
+
 def test_plan_runs_its_steps_then_summarises() -> None:
     messages = replay("plan:get_issue,post_slack;post_slack", [user(text("go"))])
 

@@ -169,7 +169,7 @@ def read_answer(message: Any) -> ModelResponse:
     A tool call must have an id of A-Z a-z 0-9 _ - that no other call of the answer has (the
     step's results are paired with its calls by id), a name of 1-128 such characters, and an
     object as its input, nested at most MAX_TOOL_INPUT_DEPTH deep. Token counts must be
-    storable. Strings are made storable (see `storable`)."""
+    storable, the stop reason a string or absent. Strings are made storable (see `storable`)."""
     content = getattr(message, "content", None)
     usage = getattr(message, "usage", None)
     if not isinstance(content, list) or usage is None:
@@ -177,6 +177,9 @@ def read_answer(message: Any) -> ModelResponse:
     tokens = (getattr(usage, "input_tokens", None), getattr(usage, "output_tokens", None))
     if not all(type(n) is int and 0 <= n <= MAX_TOKEN_COUNT for n in tokens):
         raise _NotAMessage(f"usage is not two token counts of 0 to {MAX_TOKEN_COUNT}")
+    stop_reason = getattr(message, "stop_reason", None)
+    if stop_reason is not None and not isinstance(stop_reason, str):
+        raise _NotAMessage("a stop_reason that is not a string")
     texts: list[str] = []
     calls: list[ToolCall] = []
     ids: set[str] = set()
@@ -199,7 +202,7 @@ def read_answer(message: Any) -> ModelResponse:
         text="".join(texts),
         tool_calls=calls,
         usage=Usage(*tokens),  # type: ignore[arg-type]  # checked above: two ints
-        stop_reason=getattr(message, "stop_reason", None),
+        stop_reason=storable(stop_reason),
     )
 
 

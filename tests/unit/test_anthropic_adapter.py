@@ -397,10 +397,10 @@ async def test_broken_profile_still_constructs(
 USAGE = {"input_tokens": 3, "output_tokens": 4}
 
 
-def answer(*blocks: Any, usage: Any = USAGE) -> bytes:
+def answer(*blocks: Any, usage: Any = USAGE, stop_reason: Any = "end_turn") -> bytes:
     """A Messages API answer holding these content blocks."""
     body: dict[str, Any] = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m"}
-    body |= {"content": list(blocks), "stop_reason": "end_turn", "usage": usage}
+    body |= {"content": list(blocks), "stop_reason": stop_reason, "usage": usage}
     return json.dumps(body).encode()
 
 
@@ -459,6 +459,9 @@ NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
         "application/json",
     ),
     "text-not-string": (answer({"type": "text", "text": 123}), "application/json"),
+    # A stop reason is stored with the run, as text.
+    "stop-reason-number": (answer(tool_use(), stop_reason=7), "application/json"),
+    "stop-reason-object": (answer(stop_reason={"type": "end_turn"}), "application/json"),
     "call-id-int": (answer(tool_use(call_id=123)), "application/json"),
     "call-id-empty": (answer(tool_use(call_id="")), "application/json"),
     "call-without-name": (answer(tool_use(name=None)), "application/json"),
@@ -500,6 +503,7 @@ async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -
         {"type": "thinking", "thinking": "hm", "signature": "s"},
         {"type": "text", "text": "after \ud800"},
         tool_use("toolu_1", "get_issue", {"id\x00": ["\ud83d", "ok \U0001f600"]}),
+        stop_reason="tool_use\x00\udfff",
     )
     with model_answering(body) as url:
         llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
@@ -514,6 +518,7 @@ async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -
         ToolCall("toolu_1", "get_issue", {"id\ufffd": ["\ufffd", "ok \U0001f600"]})
     ]
     assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 4)
+    assert response.stop_reason == "tool_use\ufffd\ufffd"
 
 
 async def test_the_timeout_bounds_the_whole_call_with_its_retries() -> None:

@@ -66,6 +66,9 @@ class Run(Base):
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     error_type: Mapped[str | None] = mapped_column(Text)
     error_message: Mapped[str | None] = mapped_column(Text)
+    # The stop reason of the turn's last model answer, cut to 64 characters by the runner
+    # (STOP_REASON_MAX); null when the turn got no answer from the model, or has not ended.
+    stop_reason: Mapped[str | None] = mapped_column(String(64))
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     # Idempotency-Key of the request that started this turn, and a hash of its body.
     idempotency_key: Mapped[str | None] = mapped_column(String(255))

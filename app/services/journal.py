@@ -44,6 +44,8 @@ class Turn:
     finished_at: datetime | None = None
     iterations: int = 0
     usage: Usage = field(default_factory=Usage)
+    # The stop reason of the turn's last model answer (None before one): stored at its end.
+    stop_reason: str | None = None
     messages: list[Message] = field(default_factory=list)
     stored_run_values: dict[str, Any] | None = None  # run_values() as last written
 
@@ -165,6 +167,7 @@ class DurableJournal(Journal):
             "response": end.response,
             "error_type": end.error_type,
             "error_message": end.error_message,
+            "stop_reason": turn.stop_reason,
             "finished_at": turn.finished_at,
         }
         self._stamp(turn, [final] if final is not None else [])

@@ -47,6 +47,8 @@ _DISPATCHING = frozenset({"tool_use", "end_turn", "stop_sequence", None})
 # Stop reasons that are the run's error type when they stop a tool call; any other stop
 # reason (newer than this code) is an `api_error`.
 _NAMED_STOPS = frozenset({"max_tokens", "model_context_window_exceeded", "refusal", "pause_turn"})
+# How much of a stop reason the run keeps (the API's are far shorter; a newer one may not be).
+STOP_REASON_MAX = 64
 
 
 def _call_not_made(reason: str, agent: AgentConfig, last_text: str | None) -> RunEnd:
@@ -219,6 +221,9 @@ class AgentRunner:
             )
         turn.usage.add(response.usage)
         reason = response.stop_reason
+        # Kept whatever follows (a text-only answer cut off at max_tokens still completes the
+        # run: this is what tells it from a finished one).
+        turn.stop_reason = None if reason is None else reason[:STOP_REASON_MAX]
         if response.tool_calls and reason not in _DISPATCHING:
             return _call_not_made(str(reason), agent, last_text)
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)

@@ -184,6 +184,48 @@ def test_the_session_key_migration_keeps_every_message_with_its_session(empty_ur
     assert _sql(empty_url, "SELECT id, session_id FROM run") == [("r", "a")]
 
 
+def test_the_stop_reason_migration_adds_a_null_stop_reason_and_keeps_every_run(
+    empty_url: str,
+) -> None:
+    before = "3f6a9c2d8e41"  # run has no stop_reason
+    upgrade(empty_url, before)
+    _sql(
+        empty_url,
+        "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
+        " VALUES ('s', 'main', '{}', 0, '2026-11-30 00:00:00', '2026-11-30 00:00:00')",
+        "INSERT INTO run (id, session_id, agent, status, response, iterations, input_tokens,"
+        " output_tokens, metadata, created_at)"
+        " VALUES ('r', 's', 'main', 'complete', 'done', 1, 3, 4, '{}', '2026-11-30 00:00:00')",
+    )
+    runs = "SELECT id, status, response, iterations, input_tokens, output_tokens FROM run"
+    stored = [("r", "complete", "done", 1, 3, 4)]
+
+    upgrade(empty_url)
+    assert inspect_schema(empty_url)[1] == []
+    assert _sql(empty_url, runs) == stored
+    assert _sql(empty_url, "SELECT stop_reason FROM run") == [(None,)]
+    _sql(empty_url, "UPDATE run SET stop_reason = 'max_tokens'")
+
+    downgrade(empty_url, before)
+    assert _sql(empty_url, runs) == stored
+    assert "stop_reason" not in inspect_columns(empty_url, "run")
+
+
+def inspect_columns(database_url: str, table: str) -> set[str]:
+    """The names of the table's columns."""
+
+    async def go() -> set[str]:
+        engine = create_async_engine(async_url(database_url), poolclass=NullPool)
+        try:
+            async with engine.connect() as conn:
+                columns = await conn.run_sync(lambda c: inspect(c).get_columns(table))
+                return {column["name"] for column in columns}
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
 def test_concurrent_upgrades_in_threads_both_succeed(empty_url: str) -> None:
     barrier = threading.Barrier(2)
 

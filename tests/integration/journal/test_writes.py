@@ -63,6 +63,7 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
     assert run.created_at == turn.created_at
     assert run.finished_at is None
     assert (run.iterations, run.input_tokens, run.output_tokens) == (0, 0, 0)
+    assert run.stop_reason is None
     assert (turn.stored_count, turn.session_exists, turn.run_stored, turn.user_stored) == (
         0,
         True,
@@ -128,8 +129,10 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     assert after_results.runs[turn.run_id].status == RunStatus.RUNNING
     assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1}
 
+    assert after_results.runs[turn.run_id].stop_reason is None  # stored at the end only
     turn.iterations = 2
     turn.usage.add(Usage(input_tokens=150, output_tokens=30))
+    turn.stop_reason = "max_tokens"
     turn.finished_at = turn.created_at
     final = Message.assistant("bought")
     await journal.record_end(turn, final, RunEnd(RunStatus.COMPLETE, "bought"))
@@ -145,6 +148,7 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     assert run.response == "bought"
     assert (run.iterations, run.input_tokens, run.output_tokens) == (2, 250, 50)
     assert run.error_type is None
+    assert run.stop_reason == "max_tokens"
     assert run.finished_at == turn.created_at
     assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1, "final": 1}
 
@@ -293,6 +297,7 @@ async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(
     assert run.status == RunStatus.ERROR
     assert (run.error_type, run.error_message) == ("overloaded_error", "try later")
     assert run.response is None
+    assert run.stop_reason is None
     assert run.iterations == 1
     assert run.finished_at == turn.created_at
     assert turn.user_stored is False

@@ -191,6 +191,7 @@ async def test_a_tool_call_in_an_answer_that_stopped_other_than_to_call_it_is_ne
     named = "max_tokens (" if stop_reason == "max_tokens" else f"stopped ({stop_reason!r})"
     assert named in end.error_message
     assert "the call was not made" in end.error_message
+    assert outcome.turn.stop_reason == stop_reason
 
 
 @pytest.mark.parametrize("stop_reason", ["tool_use", "end_turn", "stop_sequence", None])
@@ -203,3 +204,51 @@ async def test_a_tool_call_is_made_whatever_the_usual_stop_reason(
     assert probe.calls == [("note", {"text": "a"})]
     assert journal.kinds() == ["step", "results", "end"]
     assert outcome.end.status is RunStatus.COMPLETE
+
+
+# --- the turn's stop reason ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "stop_reason",
+    ["max_tokens", "model_context_window_exceeded", "refusal", "pause_turn", "end_turn", None],
+)
+async def test_a_text_answer_completes_the_run_and_its_stop_reason_is_kept(
+    registry: ToolRegistry, stop_reason: str | None
+) -> None:
+    # Cut off or not, a text-only answer completes the run with its text: only the stop
+    # reason tells an answer cut off midway from a finished one.
+    answer = ModelResponse("the answer is", stop_reason=stop_reason)
+    outcome, journal = await run(registry, Model(answer))
+
+    assert outcome.end == RunEnd(RunStatus.COMPLETE, "the answer is")
+    assert journal.kinds() == ["end"]
+    assert outcome.turn.stop_reason == stop_reason
+
+
+async def test_the_stop_reason_is_the_last_answers(registry: ToolRegistry) -> None:
+    final = ModelResponse("done", stop_reason="stop_sequence")
+    outcome, _ = await run(registry, Model([call("toolu_a", "note", text="a")], final))
+
+    assert outcome.end == RunEnd(RunStatus.COMPLETE, "done")
+    assert outcome.turn.stop_reason == "stop_sequence"
+
+
+async def test_a_model_failure_keeps_the_stop_reason_of_the_answer_before_it(
+    registry: ToolRegistry,
+) -> None:
+    first, _ = await run(registry, Model(LLMError("gone", type="api_error")))
+    assert first.turn.stop_reason is None  # no answer at all
+
+    model = Model([call("toolu_a", "note", text="a")], LLMError("gone", type="api_error"))
+    later, _ = await run(registry, model)
+    assert later.end.status is RunStatus.ERROR
+    assert later.turn.stop_reason == "tool_use"
+
+
+async def test_a_stop_reason_is_kept_to_its_first_64_characters(registry: ToolRegistry) -> None:
+    reason = "a_stop_reason_newer_than_the_runner_" * 3
+    outcome, _ = await run(registry, Model(ModelResponse("hm", stop_reason=reason)))
+
+    assert outcome.end.status is RunStatus.COMPLETE
+    assert outcome.turn.stop_reason == reason[:64]

@@ -119,6 +119,17 @@ class RunSummary(BaseModel):
     iterations: int
     usage: UsageRead
     error: RunErrorRead | None
+    stop_reason: str | None = Field(
+        description=(
+            "The stop reason of the model's last answer in this turn, as the Messages API"
+            " gave it (`end_turn`, `tool_use`, `max_tokens`, `stop_sequence`, `refusal`,"
+            " `pause_turn`, `model_context_window_exceeded`, or a newer one; at most 64"
+            " characters kept). A run can be `complete` with an answer cut off: check"
+            ' `stop_reason == "max_tokens"`. Null when the turn got no answer from the model'
+            " (its first model call failed, or it has not ended)."
+        ),
+        max_length=64,
+    )
     metadata: dict[str, Any]
     created_at: datetime
     finished_at: datetime | None

@@ -320,6 +320,7 @@ class RunService:
                 input_tokens=turn.usage.input_tokens, output_tokens=turn.usage.output_tokens
             ),
             error=RunErrorRead.of(end.error_type, end.error_message),
+            stop_reason=turn.stop_reason,
             metadata=turn.run_metadata,
             created_at=turn.created_at,
             finished_at=turn.finished_at,
@@ -361,6 +362,7 @@ def run_summary(run: models.Run, *, held: bool) -> RunSummary:
         iterations=run.iterations,
         usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
         error=RunErrorRead.of(run.error_type, run.error_message),
+        stop_reason=run.stop_reason,
         metadata=run.metadata_ or {},
         created_at=run.created_at,
         finished_at=run.finished_at,

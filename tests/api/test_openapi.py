@@ -191,6 +191,30 @@ def test_bodies_are_described(openapi: Json) -> None:
     }
 
 
+def test_every_run_documents_its_stop_reason(openapi: Json) -> None:
+    # A client tells an answer cut off at max_tokens from a finished one by it: each route
+    # that shows runs documents it, always present, null or a string.
+    schemas = openapi["components"]["schemas"]
+    ops = operations(openapi)
+
+    def schema_of(ref: str) -> Json:
+        found: Json = schemas[ref.rsplit("/", 1)[-1]]
+        return found
+
+    runs = [
+        schema_of(ops[key]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"])
+        for key in (("post", "/v1/runs"), ("get", "/v1/runs/{run_id}"))
+    ]
+    page_ref = ops[("get", "/v1/sessions/{session_id}/runs")]["responses"]["200"]["content"]
+    page = schema_of(page_ref["application/json"]["schema"]["$ref"])
+    runs.append(schema_of(page["properties"]["data"]["items"]["$ref"]))
+    for run in runs:
+        assert "stop_reason" in run["required"], run
+        field = run["properties"]["stop_reason"]
+        assert {branch["type"] for branch in field["anyOf"]} == {"string", "null"}
+        assert '`stop_reason == "max_tokens"`' in field["description"]
+
+
 def test_every_json_answer_is_a_named_schema(openapi: Json) -> None:
     # A generated client names its models after components; an inline schema gets a name
     # made up from the path.

@@ -17,7 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.db.session import Database
 from tests.api.conftest import build_app
 from tests.api.helpers import Json, assert_problem, get_ok, run, serve
-from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.agents import NEWER_STOP
+from tests.support.fake_anthropic import STOPPED_TEXT_CHARS, FakeAnthropic
 from tests.support.tool_server import ToolServer
 
 RUN_FIELDS = {"run_id", "session_id", "status", "response", "iterations", "messages", "usage"}
@@ -197,10 +198,90 @@ async def test_a_tool_call_cut_off_by_a_token_limit_is_never_made(
         assert body["status"] == "error", body
         assert body["error"]["type"] == stop_reason
         assert "the call was not made" in body["error"]["message"]
+        assert body["stop_reason"] == stop_reason
         assert body["messages"] == []
         assert body["usage"]["output_tokens"] > 0  # the answer was paid for all the same
     assert tool_server.invocations == []
     assert (await get_ok(client, f"/v1/sessions/{agent}/messages"))["data"] == []
+
+
+async def shown_everywhere(client: httpx.AsyncClient, body: Json) -> list[str | None]:
+    """The run's stop_reason as its record and its session's runs list show it."""
+    record = await get_ok(client, f"/v1/runs/{body['run_id']}")
+    runs = (await get_ok(client, f"/v1/sessions/{body['session_id']}/runs"))["data"]
+    (listed,) = [r for r in runs if r["run_id"] == body["run_id"]]
+    return [record["stop_reason"], listed["stop_reason"]]
+
+
+@pytest.mark.parametrize(
+    ("agent", "stop_reason"),
+    [
+        ("cut-short", "max_tokens"),
+        ("refused", "refusal"),
+        # A newer stop reason, longer than any the API has: its first 64 characters.
+        ("newer-stop", NEWER_STOP[:64]),
+    ],
+)
+async def test_a_text_answer_that_stopped_short_completes_and_says_why(
+    client: httpx.AsyncClient, agent: str, stop_reason: str
+) -> None:
+    # It ended `complete` with the text it had, and nothing told a client that this text
+    # was cut off mid-sentence: its stop reason does.
+    for session_id in (None, f"stopped-{agent}"):
+        body = await run(client, agent, "tell me everything", session_id=session_id)
+
+        assert body["status"] == "complete", body
+        assert body["error"] is None
+        assert body["response"] == "echo: tell me everything"[:STOPPED_TEXT_CHARS]
+        assert body["stop_reason"] == stop_reason
+        assert [m["role"] for m in body["messages"]] == ["user", "assistant"]
+    assert await shown_everywhere(client, body) == [stop_reason] * 2
+
+
+async def test_a_finished_turn_says_end_turn_with_or_without_tools(
+    client: httpx.AsyncClient,
+) -> None:
+    # With tools the stop reason is the last answer's, not the `tool_use` of the step's.
+    for agent in ("echo", "triage"):
+        for session_id in (None, f"finished-{agent}"):
+            body = await run(client, agent, "triage issue 7", session_id=session_id)
+            assert body["status"] == "complete", body
+            assert body["stop_reason"] == "end_turn"
+        assert await shown_everywhere(client, body) == ["end_turn"] * 2
+    assert body["iterations"] == 2
+
+
+async def test_a_turn_whose_first_model_call_failed_has_no_stop_reason(
+    client: httpx.AsyncClient, fake_model: FakeAnthropic
+) -> None:
+    for session_id in (None, "no-answer"):
+        body = await run(client, "broken-model", "hello", session_id=session_id)
+        assert (body["status"], body["stop_reason"]) == ("error", None)
+    assert await shown_everywhere(client, body) == [None, None]
+
+    await run(client, "cut-short", "one", session_id="no-answer-later")
+    fake_model.fail_next(1, 529)
+    failed = await run(client, "cut-short", "two", session_id="no-answer-later")
+    assert (failed["status"], failed["stop_reason"]) == ("error", None)
+    assert await shown_everywhere(client, failed) == [None, None]
+
+
+async def test_a_replay_answers_the_stop_reason_the_turn_stored(
+    client: httpx.AsyncClient, fake_model: FakeAnthropic
+) -> None:
+    body = {"agent": "cut-short", "message": "tell me everything", "session_id": "replayed"}
+    key = {"Idempotency-Key": "k-stop"}
+    first = await client.post("/v1/runs", json=body, headers=key)
+    assert first.status_code == 200, first.text
+    assert first.json()["stop_reason"] == "max_tokens"
+    model_calls = len(fake_model.requests)
+
+    again = await client.post("/v1/runs", json=body, headers=key)
+
+    assert again.status_code == 200, again.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json() == first.json()
+    assert len(fake_model.requests) == model_calls
 
 
 async def test_text_the_stores_cannot_hold_is_stored_replaced(

@@ -123,6 +123,7 @@ def test_interrupted_keyed_turn_after_handlers_is_continued(
     assert "idempotent-replayed" not in response.headers
     assert run["run_id"] == crashed["run_id"]
     assert run["status"] == "complete", run
+    assert (crashed["stop_reason"], run["stop_reason"]) == (None, "end_turn")
     assert [m["run_id"] for m in user_messages(messages, message)] == [run["run_id"]]
     assert {m["run_id"] for m in messages} == {run["run_id"]}
     assert tool_server.per_call("post_slack")[post.tool_call_id] == 1
@@ -134,7 +135,7 @@ def test_interrupted_keyed_turn_after_handlers_is_continued(
     assert len(tool_server.invocations) == 3
     assert_history_consistent(messages)
     assert replay.headers.get("idempotent-replayed") == "true"
-    assert ok(replay)["run_id"] == run["run_id"]
+    assert ok(replay) == run
     assert len(fake_model.requests) == model_calls
 
 
@@ -215,6 +216,7 @@ def test_interrupted_keyed_turn_a_later_turn_overtook_is_answered_from_its_recor
         assert response.headers.get("idempotent-replayed") == "true"
         replayed = ok(response)
         assert (replayed["run_id"], replayed["status"]) == (crashed["run_id"], "interrupted")
+        assert replayed["stop_reason"] is None  # its end was never stored
     assert len(tool_server.invocations) == tools_run + 2  # the busy turn's, none of this one's
     assert len(fake_model.requests) == model_calls + 2  # idem
     assert_history_consistent(messages)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +87,28 @@ def check_database_url(database_url: str) -> str:
         timeout = url.query.get("connect_timeout")
         if timeout is not None and not _positive_number(timeout):
             raise ConfigError("connect_timeout is a number of seconds above 0")
+        _check_pg_files_and_attrs(url.query)
     else:
         raise ConfigError(
             f"scheme {url.drivername!r} is not supported;"
             f" use sqlite:///path.db, postgresql://user@host/db or {MEMORY_URL}"
         )
     return database_url
+
+
+# The options naming a file the driver reads (asyncpg's error for a missing one names none).
+_FILE_OPTIONS = ("sslrootcert", "sslcert", "sslkey", "sslcrl")
+_SESSION_ATTRS = ("any", "primary", "standby", "prefer-standby", "read-write", "read-only")
+
+
+def _check_pg_files_and_attrs(query: Mapping[str, str | tuple[str, ...]]) -> None:
+    for option in _FILE_OPTIONS:
+        path = query.get(option)
+        if isinstance(path, str) and path and not Path(path).is_file():
+            raise ConfigError(f"{option}: no file {path}")
+    attrs = query.get("target_session_attrs")
+    if attrs is not None and attrs not in _SESSION_ATTRS:
+        raise ConfigError(f"target_session_attrs is one of {', '.join(_SESSION_ATTRS)}")
 
 
 def _positive_number(text: str | tuple[str, ...]) -> bool:

@@ -106,6 +106,11 @@ async def test_connect_timeout_is_how_long_a_connection_may_take() -> None:
         ("postgresql://h/db?keepalives=1&gssencmode=disable", "gssencmode, keepalives"),
         ("postgresql://h/db?connect_timeout=0", "connect_timeout is a number of seconds"),
         ("mysql://h/db", "scheme 'mysql' is not supported"),
+        ("postgresql://h/db?sslmode=verify-full&sslrootcert=/no/ca.pem", "sslrootcert: no file"),
+        ("postgresql://h/db?sslcert=/no/c.pem&sslkey=/no/k.pem", "sslcert: no file /no/c.pem"),
+        ("postgresql://h/db?sslkey=/no/k.pem", "sslkey: no file /no/k.pem"),
+        ("postgresql://h/db?sslcrl=/no/crl.pem", "sslcrl: no file /no/crl.pem"),
+        ("postgresql://h/db?target_session_attrs=bogus", "target_session_attrs is one of any,"),
     ],
 )
 def test_a_database_url_that_cannot_be_used_says_why_without_quoting_it(
@@ -129,6 +134,8 @@ def test_a_database_url_that_cannot_be_used_says_why_without_quoting_it(
         "postgresql://u@/db?host=/var/run/postgresql",
         "postgresql://u@/db?host=a,b&port=5432",
         "postgresql://u@h/db?connect_timeout=2.5&options=-c%20search_path%3Dx",
+        f"postgresql://u@h/db?sslmode=verify-full&sslrootcert={__file__}",
+        "postgresql://u@h/db?target_session_attrs=read-write",
     ],
 )
 def test_database_urls_a_user_writes_are_taken_as_written(url: str) -> None:

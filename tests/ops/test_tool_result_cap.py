@@ -51,7 +51,7 @@ def test_a_result_past_the_limit_is_stored_truncated_and_the_session_goes_on(
 ) -> None:
     assert len(WHOLE) > 1_000_000  # the tool's answer, four times the default limit
     server = agents_server(database_url=database_url, env=env)
-    with server.start(), server.client() as client:
+    with server, server.client() as client:
         first = big_read(client, "big", "read it all")
         second = big_read(client, "big", "read it again")
     assert tool_server.count("big_read") == 2

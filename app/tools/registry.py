@@ -124,11 +124,13 @@ class ToolRegistry:
                     " stopped; it may or may not have taken effect",
                 )
             # A handler bug (even one raising SystemExit or CancelledError of its own) must
-            # not end the run; the model reads it.
+            # not end the run; the model reads it. Raised from anywhere in the handler (an
+            # HTTP tool out of memory reading its answer), it says nothing of what the call
+            # did before: the model must not take it for "nothing happened".
             log.warning("tool handler raised", exc_info=True, extra=extra)
             message = str(exc)
-            name = type(exc).__name__
-            return ToolResult.error(call, f"{name}: {message}" if message else name)
+            name = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+            return ToolResult.error(call, f"{name}; it may or may not have taken effect")
         try:
             return ToolResult.ok(call, value)
         except (TypeError, ValueError, RecursionError) as exc:

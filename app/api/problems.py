@@ -13,12 +13,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.session import (
-    POOL_BUSY_DETAIL,
-    READ_ONLY_DETAIL,
-    UNREACHABLE_DETAIL,
-    pg_read_only,
-)
+from app.db.outages import POOL_BUSY_DETAIL, pg_read_only, saturated, unavailable
 from app.errors import (
     AppError,
     DatabaseUnavailable,
@@ -109,22 +104,25 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 def _is_outage(exc: Exception) -> bool:
     if isinstance(exc, DBAPIError):
-        return isinstance(exc, OperationalError | InterfaceError) or exc.connection_invalidated
+        return (
+            isinstance(exc, OperationalError | InterfaceError)
+            or exc.connection_invalidated
+            or pg_read_only(exc)
+            or saturated(exc)
+        )
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
+        return saturated(exc)  # out of file descriptors or memory on the way to the database
     return True  # pool timeouts and socket errors on the way to the database
 
 
 async def _database_error(_: Request, exc: Exception) -> JSONResponse:
-    if pg_read_only(exc):
-        log.warning("database unavailable: it is read-only")
-        return problem_response(DatabaseUnavailable(READ_ONLY_DETAIL))
     if isinstance(exc, PoolTimeoutError):
         log.warning("database connections all in use")
         return problem_response(DatabaseUnavailable(POOL_BUSY_DETAIL))
     if not _is_outage(exc):  # handled here, never raised again: log its traceback now
         log.error("unhandled database error", exc_info=exc)
         return _internal_error()
-    log.warning("database unavailable: %s", type(exc).__name__)
-    return problem_response(DatabaseUnavailable(UNREACHABLE_DETAIL))
+    return problem_response(unavailable(exc))
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -145,8 +143,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DBAPIError, _database_error)
     app.add_exception_handler(PoolTimeoutError, _database_error)
-    app.add_exception_handler(ConnectionError, _database_error)
-    app.add_exception_handler(TimeoutError, _database_error)
+    app.add_exception_handler(OSError, _database_error)  # ConnectionError, TimeoutError, …
     app.add_exception_handler(Exception, _unexpected)
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import asyncpg
 from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import OperationalError
@@ -24,34 +23,10 @@ from sqlalchemy.ext.asyncio import (
 
 from app.db import models  # noqa: F401  # registers the tables on Base.metadata
 from app.db.base import Base
+from app.db.outages import PG_CONNECTION_ERRORS
 from app.db.urls import MEMORY_URL, async_url, pg_connector, sqlite_file
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
-
-# PostgreSQL errors that mean the connection, not the statement, failed (class 57 is the
-# server ending it: shutdown, terminated backend). When the server ends a connection between
-# statements, asyncpg may instead find its protocol in a state it cannot leave and raise
-# InternalClientError ("cannot switch to state …"); that connection is as dead.
-PG_CONNECTION_ERRORS = (
-    asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.InternalClientError,
-    OSError,
-)
-
-
-# What a 503 database_unavailable says, by cause.
-UNREACHABLE_DETAIL = "The database cannot be reached; retry later."
-READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."
-POOL_BUSY_DETAIL = "This replica's database connections are all in use; retry later."
-
-
-def pg_read_only(exc: BaseException) -> bool:
-    """The statement failed because the database takes no writes (SQLSTATE 25006: a standby,
-    or default_transaction_read_only): an outage for this service, not a bug."""
-    driver_error = getattr(exc, "orig", exc)  # SQLAlchemy's DBAPIError wraps the driver's
-    return getattr(driver_error, "sqlstate", None) == "25006"
 
 
 def _configure_postgres(engine: Engine) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.db.migrate import database_state, known_revisions
-from app.db.session import READ_ONLY_DETAIL, Database
+from app.db.outages import READ_ONLY_DETAIL
+from app.db.session import Database
 from app.errors import DatabaseUnavailable, SchemaOutOfDate
 from app.services.ownership import Ownership
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import asyncpg
 
-from app.db.session import PG_CONNECTION_ERRORS
+from app.db.outages import PG_CONNECTION_ERRORS
 from app.db.urls import pg_connector
 from app.errors import SessionBusy, SessionConflict
 from app.services.ownership import ActiveRuns

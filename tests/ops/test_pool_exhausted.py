@@ -15,7 +15,7 @@ import asyncpg
 import httpx
 import pytest
 
-from app.db.session import POOL_BUSY_DETAIL
+from app.db.outages import POOL_BUSY_DETAIL
 from app.db.urls import asyncpg_dsn
 from tests.support.polling import wait_for
 from tests.support.server import AgentsServer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -26,20 +27,23 @@ from app.db.journal.sql import (
     run_update_sql,
 )
 from app.db.journal.write import JournalWrite
-from app.db.repositories import message_to_row
-from app.db.session import (
+from app.db.outages import (
     PG_CONNECTION_ERRORS,
     POOL_BUSY_DETAIL,
-    READ_ONLY_DETAIL,
-    UNREACHABLE_DETAIL,
     pg_read_only,
+    saturated,
+    unavailable,
 )
+from app.db.repositories import message_to_row
 from app.errors import DatabaseUnavailable, SessionConflict
 
 log = logging.getLogger(__name__)
 
 # How long a durable write waits for a pooled connection while all are in use.
 JOURNAL_CHECKOUT_WAIT_S = 120
+# Between its tries for a connection the server or this process has no resource for.
+_SATURATED_FIRST_PAUSE_S = 0.05
+_SATURATED_MAX_PAUSE_S = 1.0
 
 
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
@@ -141,15 +145,15 @@ class PostgresJournalStore:
         except BaseException as exc:
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
                 await greenlet_spawn(pooled.close)  # the statement failed, not the connection
-                if pg_read_only(exc):
-                    raise DatabaseUnavailable(READ_ONLY_DETAIL) from exc
+                if pg_read_only(exc) or saturated(exc):
+                    raise unavailable(exc) from exc
                 raise
             await greenlet_spawn(pooled.invalidate, exc)
             if isinstance(exc, PG_CONNECTION_ERRORS):
                 # As SQLAlchemy does on a disconnect: the pool's other connections are as old
                 # as this one, so none is reused.
                 await self.engine.dispose()
-                raise DatabaseUnavailable(UNREACHABLE_DETAIL) from exc
+                raise unavailable(exc) from exc
             raise
         # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
         # adapter can only do inside greenlet_spawn.
@@ -159,11 +163,14 @@ class PostgresJournalStore:
         return value
 
     async def _checkout(self, *, patient: bool) -> PoolProxiedConnection:
-        """A pooled connection. While every one is in use a `patient` write (one of a turn
-        that has started: it may have run tools whose results would be lost) waits its turn
-        for JOURNAL_CHECKOUT_WAIT_S and the pool's timeout more; any other gives up after
-        the pool's timeout, as requests that have not started do."""
+        """A pooled connection. While every one is in use, or no new one can be had for want
+        of a resource (the server's max_connections, this process's file descriptors), a
+        `patient` write (one of a turn that has started: it may have run tools whose results
+        would be lost) waits for one for JOURNAL_CHECKOUT_WAIT_S and the pool's timeout
+        more; any other gives up at once or after the pool's timeout, as requests that have
+        not started do. An outage (refused, the database gone) is not waited for."""
         deadline = time.monotonic() + JOURNAL_CHECKOUT_WAIT_S
+        pause = _SATURATED_FIRST_PAUSE_S
         while True:
             try:
                 return await self.engine.raw_connection()
@@ -173,10 +180,14 @@ class PostgresJournalStore:
                 log.warning("database connections all in use")
                 raise DatabaseUnavailable(POOL_BUSY_DETAIL) from exc
             except Exception as exc:
-                # No connection could be made (refused, the database gone): the pool raises
-                # the driver's own error, which no handler of SQLAlchemy's errors knows.
-                log.warning("database unavailable: no connection: %s", type(exc).__name__)
-                raise DatabaseUnavailable(UNREACHABLE_DETAIL) from exc
+                # No connection could be made: the pool raises the driver's own error, which
+                # no handler of SQLAlchemy's errors knows.
+                if patient and saturated(exc) and time.monotonic() + pause < deadline:
+                    log.warning("no database connection to be had now: waiting %.2fs", pause)
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, _SATURATED_MAX_PAUSE_S)
+                    continue
+                raise unavailable(exc) from exc
 
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)

@@ -15,9 +15,10 @@ from app.db.journal.sql import (
     run_update_sql,
 )
 from app.db.journal.write import JournalWrite
+from app.db.outages import unavailable
 from app.db.repositories import message_to_row
 from app.db.session import InlineTransactor
-from app.errors import DatabaseUnavailable, SessionConflict
+from app.errors import SessionConflict
 
 # Constraint errors that mean another writer stored the same keys first (a message's seq, the
 # session's id, a run's id or idempotency key); any other is a bug, not a conflict.
@@ -70,7 +71,7 @@ class SqliteJournalStore:
                 raise SessionConflict(write.session_id) from exc
             raise  # a bug (a NOT NULL, a CHECK), not a conflict
         except sqlite3.OperationalError as exc:  # locked for too long, disk full, I/O error
-            raise DatabaseUnavailable("The database cannot be written now; retry later.") from exc
+            raise unavailable(exc) from exc
         for observer in self.observers:
             observer(statements)
 

@@ -6,12 +6,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.db.journal import journal_store
 from app.db.session import Database
-from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal
-from app.services.ownership import LocalOwnership
+from tests.integration.journal.support import journal_on
 
 
 @pytest.fixture
@@ -30,6 +28,4 @@ def metrics() -> Metrics:
 
 @pytest.fixture
 def journal(db: Database, metrics: Metrics) -> DurableJournal:
-    ownership = LocalOwnership()
-    store = journal_store(db, ownership.fence_sql)
-    return DurableJournal(store, Failpoints.parse(None), ownership, metrics)
+    return journal_on(db, metrics)

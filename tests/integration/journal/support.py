@@ -15,15 +15,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from app.db import models
+from app.db.journal import journal_store
 from app.db.repositories import MessageRepository, RunRepository, SessionRepository
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, durability_error
+from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd, Turn
+from app.services.ownership import LocalOwnership
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
 WRITE_KINDS = ("start", "repair", "write1", "write2", "final")
+
+
+def journal_on(db: Database, metrics: Metrics) -> DurableJournal:
+    """A DurableJournal on `db`, its ownership LocalOwnership (see above)."""
+    ownership = LocalOwnership()
+    store = journal_store(db, ownership.fence_sql)
+    return DurableJournal(store, Failpoints.parse(None), ownership, metrics)
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:

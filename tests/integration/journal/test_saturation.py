@@ -12,17 +12,13 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.util import greenlet_spawn
 
-from app.db.journal import journal_store
 from app.db.outages import EXHAUSTED_DETAIL
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role
 from app.errors import DatabaseUnavailable
-from app.failpoints import Failpoints
 from app.metrics import Metrics
-from app.services.journal import DurableJournal
-from app.services.ownership import LocalOwnership
-from tests.integration.journal.support import CALLS, read, start
+from tests.integration.journal.support import CALLS, journal_on, read, start
 
 pytestmark = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 
@@ -52,17 +48,10 @@ async def one_connection_db(one_connection_url: str) -> AsyncIterator[Database]:
         await db.dispose()
 
 
-def journal_on(db: Database) -> DurableJournal:
-    ownership = LocalOwnership()
-    return DurableJournal(
-        journal_store(db, ownership.fence_sql), Failpoints.parse(None), ownership, Metrics()
-    )
-
-
 async def test_a_started_turns_write_waits_for_a_connection_the_server_has_none_for(
     one_connection_db: Database,
 ) -> None:
-    journal = journal_on(one_connection_db)
+    journal = journal_on(one_connection_db, Metrics())
     turn = await start(journal, "buy it")
     turn.iterations = 1
     held = await one_connection_db.engine.raw_connection()  # the role's one connection
@@ -82,7 +71,7 @@ async def test_a_started_turns_write_waits_for_a_connection_the_server_has_none_
 async def test_a_turn_not_started_is_refused_at_once_saying_why(
     one_connection_db: Database,
 ) -> None:
-    journal = journal_on(one_connection_db)
+    journal = journal_on(one_connection_db, Metrics())
     held = await one_connection_db.engine.raw_connection()
     try:
         with pytest.raises(DatabaseUnavailable) as refused:

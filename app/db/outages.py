@@ -30,7 +30,10 @@ UNREACHABLE_DETAIL = "The database cannot be reached; retry later."
 READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."
 POOL_BUSY_DETAIL = "This replica's database connections are all in use; retry later."
 EXHAUSTED_DETAIL = "The database is out of connections, memory or disk space; retry later."
-UNWRITABLE_DETAIL = "The database cannot be written now (disk full, or I/O errors); retry later."
+UNWRITABLE_DETAIL = (
+    "The database file cannot be opened or written now (disk full, I/O errors, or out of"
+    " file descriptors); retry later."
+)
 REPLICA_EXHAUSTED_DETAIL = "This replica is out of file descriptors or memory; retry later."
 
 # This process out of a resource, on its way to the database (errno).

@@ -78,8 +78,10 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
             marker = "after-sigterm-7f3c"
             try:
                 late = _post(server, {"agent": "echo", "message": marker, "session_id": "t"}, {})
-            except httpx.ConnectError:
-                pass  # not listening any more: refused, as it should be
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                # Not listening any more: refused, or reset while still in the listen queue
+                # as the socket closed; either way unanswered, as it should be.
+                pass
             else:
                 assert late.status_code == 503, late.text
                 assert late.headers["content-type"].startswith("application/problem+json")

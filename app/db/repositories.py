@@ -103,14 +103,23 @@ class MessageRepository:
         )
         return [row_to_message(r) for r in rows]
 
-    async def stored_any(self, session_key: int, run_id: str) -> bool:
-        """Whether the run has stored a message in the session."""
-        first = await self._s.scalar(
-            select(models.Message.seq)
+    async def overtaken(self, session_key: int, run_id: str) -> bool:
+        """Whether another run stored a message after this run's first one."""
+        first = (
+            select(func.min(models.Message.seq))
             .where(models.Message.session_key == session_key, models.Message.run_id == run_id)
+            .scalar_subquery()
+        )
+        later = await self._s.scalar(
+            select(models.Message.seq)
+            .where(
+                models.Message.session_key == session_key,
+                models.Message.run_id.is_distinct_from(run_id),
+                models.Message.seq > first,
+            )
             .limit(1)
         )
-        return first is not None
+        return later is not None
 
     async def last_tool_steps(self, session_keys: Sequence[int]) -> dict[int, list[Message]]:
         """Per session, the last assistant message that asked for tools and everything after

@@ -176,7 +176,7 @@ class RunService:
         stored = await self._load(turn, body)
         history, earlier = stored.history, stored.earlier
         if earlier is not None:
-            if not _goes_on(earlier, stored_any=any(m.run_id == earlier.id for m in history)):
+            if not _goes_on(earlier, overtaken=_overtaken(history, earlier.id)):
                 return await self._replay(earlier, turn)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
@@ -230,10 +230,10 @@ class RunService:
             earlier = await self._keyed(RunRepository(session), row.id, turn, body)
             if earlier is None:
                 return None
-            stored_any = earlier.status == RunStatus.INTERRUPTED.value and (
-                await MessageRepository(session).stored_any(row.key, earlier.id)
+            overtaken = earlier.status == RunStatus.INTERRUPTED.value and (
+                await MessageRepository(session).overtaken(row.key, earlier.id)
             )
-            return None if _goes_on(earlier, stored_any=stored_any) else earlier
+            return None if _goes_on(earlier, overtaken=overtaken) else earlier
 
     @staticmethod
     async def _usable_session(
@@ -336,16 +336,24 @@ class _Stored:
     earlier: models.Run | None = None  # the run an earlier request with this key started
 
 
-def _goes_on(earlier: models.Run, *, stored_any: bool) -> bool:
+def _goes_on(earlier: models.Run, *, overtaken: bool) -> bool:
     """Whether the keyed turn `earlier`, found again, is continued rather than answered from
     its record: one still stored `running` (its runner died, no turn has started since), or
-    one a later turn has overtaken (its start stored it `interrupted`: the database's order,
-    not the replicas' clocks) before it stored anything, which then simply runs after that
-    turn. One that had stored messages (`stored_any`) would have the rest stored after the
-    later turn's; its record is the answer, as a finished turn's is."""
+    one a later turn's start stored `interrupted` (the database's order, not the replicas'
+    clocks) while no message of another run follows its own: it then goes on where it
+    stopped, after whatever it stored (a later turn's repair of its calls is its own). Once
+    another run's message follows its own (`overtaken`), the rest of it would be stored
+    after that run's: its record is the answer, as a finished turn's is, and no longer
+    changes."""
     if earlier.status == RunStatus.RUNNING.value:
         return True
-    return earlier.status == RunStatus.INTERRUPTED.value and not stored_any
+    return earlier.status == RunStatus.INTERRUPTED.value and not overtaken
+
+
+def _overtaken(history: list[Message], run_id: str) -> bool:
+    """Whether another run stored a message after the first one of `run_id` in `history`."""
+    first = next((i for i, m in enumerate(history) if m.run_id == run_id), None)
+    return first is not None and any(m.run_id != run_id for m in history[first + 1 :])
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

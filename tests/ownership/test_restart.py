@@ -14,6 +14,7 @@ from app.db.session import Database
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     Background,
+    assert_busy,
     assert_durability_error,
     assert_history_consistent,
     history,
@@ -248,6 +249,73 @@ def test_keyed_turn_that_stored_nothing_before_a_later_turn_runs_after_it(
     assert [(m["role"], m["content"]) for m in turn[:1]] == [("user", message)]
     assert {m["run_id"] for m in turn} == {run["run_id"]}
     assert sorted(i.tool for i in tool_server.invocations) == ["get_issue"] * 2 + ["post_slack"] * 2
+    assert_history_consistent(messages)
+
+
+def test_a_keyed_turn_being_repaired_is_busy_then_answers_one_record(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """Same key while a later turn repairs the crashed turn's calls (results that are the
+    crashed turn's own): 409, not a record that would change once the repair is stored; once
+    the later turn has stored its own messages, every replay is the one final record."""
+    session, key = "s-keyed-repairing", "turn-30"
+    body = run_body("slow-read", "Read the slow report", session)
+    crashed = servers.start("crashed", failpoints="after-handlers")
+    on_crashed = Background(crashed.url, body, headers={"Idempotency-Key": key})
+    assert tool_server.in_flight.wait(15), crashed.logs()
+    tool_server.release()
+    assert isinstance(on_crashed.join(15), httpx.TransportError)
+    assert crashed.wait() == FAILPOINT_EXIT, crashed.logs()
+    tool_server.reset()  # hold the repair's re-run of slow_read
+    restarted = servers.start("restarted")
+    later = Background(restarted.url, run_body("slow-read", "Read it again", session))
+    assert tool_server.in_flight.wait(15), restarted.logs()
+    with restarted.client() as client:
+        (crashed_run,) = [r for r in session_runs(client, session) if r["status"] == "interrupted"]
+        while_repairing = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        tool_server.release()
+        later_answer = later.join(30)
+        assert isinstance(later_answer, httpx.Response), later_answer
+        assert ok(later_answer)["status"] == "complete"
+        replays = [
+            client.post("/v1/runs", json=body, headers={"Idempotency-Key": key}) for _ in (1, 2)
+        ]
+        record = ok(client.get(f"/v1/runs/{crashed_run['run_id']}"))
+    assert_busy(while_repairing)
+    for replay in replays:
+        assert replay.headers.get("idempotent-replayed") == "true"
+        assert ok(replay) == record
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool"]
+
+
+def test_a_keyed_turn_goes_on_when_the_later_turn_stored_nothing_of_its_own(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """Same key after a later turn repaired the crashed turn's calls and then failed at its
+    first model call (storing nothing of its own): nothing follows the crashed turn's
+    messages, so it goes on where it stopped, under its run_id, to its end."""
+    session, message, key = "s-keyed-later-failed", "Triage issue 31", "turn-31"
+    body = run_body("triage", message, session)
+    crash_with_failpoint(
+        servers.start("crashed", failpoints="after-write-1"), body, {"Idempotency-Key": key}
+    )
+    with servers.start("restarted").client() as client:
+        (crashed,) = session_runs(client, session)
+        fake_model.fail_next(1, 500)
+        failed = ok(client.post("/v1/runs", json=run_body("triage", "Triage issue 32", session)))
+        response = client.post("/v1/runs", json=body, headers={"Idempotency-Key": key})
+        messages = history(client, session)
+    assert failed["status"] == "error", failed
+    assert "idempotent-replayed" not in response.headers
+    run = ok(response)
+    assert (run["run_id"], run["status"]) == (crashed["run_id"], "complete")
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert {m["run_id"] for m in messages} == {run["run_id"]}
+    (charge,) = [c for c in tool_calls(messages) if c["name"] == "post_slack"]
+    assert_durability_error(
+        result_of(messages, charge["id"]), tool="post_slack", call_id=charge["id"]
+    )
+    assert tool_server.count("post_slack") == 0  # write #1 was the last thing it did
     assert_history_consistent(messages)
 
 

@@ -341,7 +341,8 @@ def _goes_on(earlier: models.Run, *, overtaken: bool) -> bool:
     its record: one still stored `running` (its runner died, no turn has started since), or
     one a later turn's start stored `interrupted` (the database's order, not the replicas'
     clocks) while no message of another run follows its own: it then goes on where it
-    stopped, after whatever it stored (a later turn's repair of its calls is its own). Once
+    stopped (a later turn's repair of its calls is its own; one that stored nothing simply
+    runs after the later turn). Once
     another run's message follows its own (`overtaken`), the rest of it would be stored
     after that run's: its record is the answer, as a finished turn's is, and no longer
     changes."""

@@ -176,7 +176,7 @@ class RunService:
         stored = await self._load(turn, body)
         history, earlier = stored.history, stored.earlier
         if earlier is not None:
-            if not _goes_on(earlier, overtaken=_overtaken(history, earlier.id)):
+            if not stored.goes_on:
                 return await self._replay(earlier, turn)
             self._continue(turn, earlier, history)
             logs.bind(run_id=turn.run_id)
@@ -228,12 +228,9 @@ class RunService:
             if row is None:
                 return None
             earlier = await self._keyed(RunRepository(session), row.id, turn, body)
-            if earlier is None:
+            if earlier is None or await _goes_on(MessageRepository(session), row.key, earlier):
                 return None
-            overtaken = earlier.status == RunStatus.INTERRUPTED.value and (
-                await MessageRepository(session).overtaken(row.key, earlier.id)
-            )
-            return None if _goes_on(earlier, overtaken=overtaken) else earlier
+            return earlier
 
     @staticmethod
     async def _usable_session(
@@ -270,12 +267,13 @@ class RunService:
                 return _Stored()
             turn.session_exists = True
             turn.stored_count = row.message_count
-            runs = RunRepository(session)
+            runs, messages = RunRepository(session), MessageRepository(session)
             earlier = await self._keyed(runs, row.id, turn, body)
             return _Stored(
-                history=await MessageRepository(session).history(row.key),
+                history=await messages.history(row.key),
                 left_running=await runs.running_ids(row.id),
                 earlier=earlier,
+                goes_on=earlier is not None and await _goes_on(messages, row.key, earlier),
             )
 
     @staticmethod
@@ -334,27 +332,23 @@ class _Stored:
     history: list[Message] = field(default_factory=list)
     left_running: list[str] = field(default_factory=list)  # runs whose runner died
     earlier: models.Run | None = None  # the run an earlier request with this key started
+    goes_on: bool = False  # whether `earlier` is continued (see `_goes_on`)
 
 
-def _goes_on(earlier: models.Run, *, overtaken: bool) -> bool:
+async def _goes_on(messages: MessageRepository, session_key: int, earlier: models.Run) -> bool:
     """Whether the keyed turn `earlier`, found again, is continued rather than answered from
     its record: one still stored `running` (its runner died, no turn has started since), or
     one a later turn's start stored `interrupted` (the database's order, not the replicas'
     clocks) while no message of another run follows its own: it then goes on where it
     stopped (a later turn's repair of its calls is its own; one that stored nothing simply
-    runs after the later turn). Once
-    another run's message follows its own (`overtaken`), the rest of it would be stored
-    after that run's: its record is the answer, as a finished turn's is, and no longer
-    changes."""
+    runs after the later turn). Once another run's message follows its own (overtaken), the
+    rest of it would be stored after that run's: its record is the answer, as a finished
+    turn's is, and no longer changes."""
     if earlier.status == RunStatus.RUNNING.value:
         return True
-    return earlier.status == RunStatus.INTERRUPTED.value and not overtaken
-
-
-def _overtaken(history: list[Message], run_id: str) -> bool:
-    """Whether another run stored a message after the first one of `run_id` in `history`."""
-    first = next((i for i, m in enumerate(history) if m.run_id == run_id), None)
-    return first is not None and any(m.run_id != run_id for m in history[first + 1 :])
+    return earlier.status == RunStatus.INTERRUPTED.value and not await messages.overtaken(
+        session_key, earlier.id
+    )
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

@@ -13,10 +13,9 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.outages import POOL_BUSY_DETAIL, pg_read_only, saturated, unavailable
+from app.db.outages import pg_read_only, saturated, unavailable
 from app.errors import (
     AppError,
-    DatabaseUnavailable,
     HttpError,
     MethodNotAllowed,
     NotFound,
@@ -116,9 +115,6 @@ def _is_outage(exc: Exception) -> bool:
 
 
 async def _database_error(_: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, PoolTimeoutError):
-        log.warning("database connections all in use")
-        return problem_response(DatabaseUnavailable(POOL_BUSY_DETAIL))
     if not _is_outage(exc):  # handled here, never raised again: log its traceback now
         log.error("unhandled database error", exc_info=exc)
         return _internal_error()

@@ -8,6 +8,7 @@ import logging
 import sqlite3
 
 import asyncpg
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from app.errors import DatabaseUnavailable
 
@@ -59,6 +60,9 @@ def saturated(exc: BaseException) -> bool:
 def unavailable(exc: BaseException) -> DatabaseUnavailable:
     """The 503 for a database failure that is an outage, saying which; logs its cause (the
     driver's error, its code and message: never a statement or its parameters)."""
+    if isinstance(exc, PoolTimeoutError):  # not the database's state: this replica's pool
+        log.warning("database connections all in use")
+        return DatabaseUnavailable(POOL_BUSY_DETAIL)
     sqlstate = _sqlstate(exc)
     if sqlstate == "25006":
         detail = READ_ONLY_DETAIL

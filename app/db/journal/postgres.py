@@ -29,13 +29,12 @@ from app.db.journal.sql import (
 from app.db.journal.write import JournalWrite
 from app.db.outages import (
     PG_CONNECTION_ERRORS,
-    POOL_BUSY_DETAIL,
     pg_read_only,
     saturated,
     unavailable,
 )
 from app.db.repositories import message_to_row
-from app.errors import DatabaseUnavailable, SessionConflict
+from app.errors import SessionConflict
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +176,7 @@ class PostgresJournalStore:
             except PoolTimeoutError as exc:
                 if patient and time.monotonic() < deadline:
                     continue
-                log.warning("database connections all in use")
-                raise DatabaseUnavailable(POOL_BUSY_DETAIL) from exc
+                raise unavailable(exc) from exc
             except Exception as exc:
                 # No connection could be made: the pool raises the driver's own error, which
                 # no handler of SQLAlchemy's errors knows.

@@ -64,8 +64,8 @@ def _call_not_made(reason: str, agent: AgentConfig, last_text: str | None) -> Ru
         )
     else:
         message = (
-            f"The model's answer stopped ({reason[:64]!r}) while asking for a tool call, whose"
-            " input may be incomplete; the call was not made."
+            f"The model's answer stopped ({reason[:STOP_REASON_MAX]!r}) while asking for a tool"
+            " call, whose input may be incomplete; the call was not made."
         )
     error_type = reason if reason in _NAMED_STOPS else "api_error"
     return RunEnd(RunStatus.ERROR, last_text, error_type=error_type, error_message=message)

@@ -46,7 +46,7 @@ class ToolRegistry:
     ) -> None:
         self.tools: dict[str, Tool] = dict(tools)
         self.agents: dict[str, AgentConfig] = dict(agents)
-        self._http = http or SharedHttpClient()
+        self._http = http or SharedHttpClient(max_body_bytes=max_result_bytes)
         self.max_result_bytes = max_result_bytes
         # Compiled once here, not per call: validator construction resolves the schema.
         self._validators = {

@@ -22,18 +22,25 @@ from app.domain import Message, Role, RunStatus, ToolCall, ToolResult, durabilit
 from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd, Turn
-from app.services.ownership import LocalOwnership
+from app.services.ownership import LocalOwnership, Ownership
 
 SESSION = "sess-journal"
 CALLS = [ToolCall("toolu_a", "lookup", {"id": "A-1"}), ToolCall("toolu_b", "charge", {"n": 5})]
 WRITE_KINDS = ("start", "repair", "write1", "write2", "final")
 
 
-def journal_on(db: Database, metrics: Metrics) -> DurableJournal:
-    """A DurableJournal on `db`, its ownership LocalOwnership (see above)."""
-    ownership = LocalOwnership()
+def journal_on(
+    db: Database,
+    metrics: Metrics,
+    *,
+    ownership: Ownership | None = None,
+    failpoints: Failpoints | None = None,
+) -> DurableJournal:
+    """A DurableJournal on `db`, fenced by `ownership` (LocalOwnership unless given: see
+    above), reaching `failpoints` (none unless given)."""
+    ownership = ownership or LocalOwnership()
     store = journal_store(db, ownership.fence_sql)
-    return DurableJournal(store, Failpoints.parse(None), ownership, metrics)
+    return DurableJournal(store, failpoints or Failpoints.parse(None), ownership, metrics)
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:

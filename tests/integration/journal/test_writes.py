@@ -12,20 +12,18 @@ import asyncpg
 import pytest
 from sqlalchemy import Connection
 
-from app.db.journal import journal_store
 from app.db.repositories import delete_session
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, RunStatus, Usage
 from app.errors import SessionConflict
-from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd
-from app.services.ownership import LocalOwnership
 from app.services.pg_ownership import PostgresOwnership
 from tests.integration.journal.support import (
     CALLS,
     SESSION,
+    journal_on,
     new_turn,
     overtaken_after_write_1,
     read,
@@ -328,9 +326,8 @@ async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(
 ) -> None:
     # CONTRACT §6: `in-write-2` is write #2's rows sent, not yet committed.
     sent: list[bool] = []
-    ownership = LocalOwnership()
     failpoints = CrashAt("in-write-2", lambda: sent.append(results_sent_uncommitted(db, 2)))
-    journal = DurableJournal(journal_store(db, ownership.fence_sql), failpoints, ownership, metrics)
+    journal = journal_on(db, metrics, failpoints=failpoints)
     turn = await start(journal, "buy it")
     await journal.record_step(turn, Message.assistant("on it", CALLS))
 
@@ -385,7 +382,7 @@ async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
     # A's lock connection dies (as when another replica ends a stalled holder) and B takes
     # the session; A's next write must fail though the message count it expects still holds.
     async with two_runners(database_url) as (a, b, lose_a):
-        journal = DurableJournal(journal_store(db, a.fence_sql), Failpoints.parse(None), a, metrics)
+        journal = journal_on(db, metrics, ownership=a)
         async with a.hold(SESSION):
             turn = await start(journal, "buy it")
             await lose_a()
@@ -407,7 +404,7 @@ async def test_a_delete_is_fenced_by_this_runners_lock(
     # (B's turn may already have run a tool). A's delete must delete nothing: it once
     # deleted B's committed write #1 under it, and B's keyed retry then ran its tools again.
     async with two_runners(database_url) as (a, b, lose_a):
-        journal = DurableJournal(journal_store(db, b.fence_sql), Failpoints.parse(None), b, metrics)
+        journal = journal_on(db, metrics, ownership=b)
         async with a.hold(SESSION):
             await lose_a()
             async with b.hold(SESSION):

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
 from sqlalchemy.engine import ExceptionContext, make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DisconnectionError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -39,6 +39,15 @@ def _configure_postgres(engine: Engine) -> None:
         lost = isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS)
         if lost or context.connection is None:
             context.is_disconnect = True
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        # A pooled connection the server ended while it sat idle (its idle timeout, a proxy's,
+        # pg_terminate_backend) is known closed to the driver, at no round trip: the pool
+        # replaces it before anything is sent. Used, it would fail a write whose outcome is
+        # then unknown, which costs a turn the results of the tools it ran.
+        if dbapi_connection.driver_connection.is_closed():
+            raise DisconnectionError("the server closed this pooled connection")
 
 
 def check_sqlite_writable(database_url: str) -> None:
@@ -66,9 +75,10 @@ def _pool_options(database_url: str, *, pool_size: int) -> dict[str, Any]:
     return {
         "pool_size": pool_size,
         "max_overflow": pool_size,
-        # No pre-ping: it costs a round trip per transaction, i.e. per durable write.
-        # After an outage the first use of a dead connection fails (503) and makes
-        # the pool replace every connection older than that failure.
+        # No pre-ping: it costs a round trip per transaction, i.e. per durable write. A
+        # connection the driver knows is closed is replaced at checkout (_configure_postgres);
+        # one that dies unnoticed fails its first use (503), and the pool then replaces every
+        # connection older than that failure.
         # Fail fast, never hang, when the database is gone (a connection is given 5 s): the
         # API answers 503.
         "pool_timeout": 10,

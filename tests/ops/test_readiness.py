@@ -148,19 +148,32 @@ def test_a_database_that_is_gone_answers_503_on_every_route(
         assert client.get("/v1/agents").status_code == 200  # needs no database
 
 
-def test_connections_killed_under_the_server_are_an_outage_not_an_old_schema(
+def test_connections_killed_under_the_server_are_replaced_or_an_outage_never_an_old_schema(
     database_url: str, tmp_path: Path, pg_admin: Callable[..., None]
 ) -> None:
-    # Its pooled connections and its lock connection die (a PostgreSQL restart, a failover):
-    # readiness says the database is unavailable, never that the schema is behind.
+    # Its pooled connections and its lock connection die (a PostgreSQL restart, a failover).
+    database = make_url(database_url).database
+    kill_all = (
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+        f" WHERE datname = '{database}' AND pid <> pg_backend_pid()"
+    )
     server = ServerProcess(database_url=database_url, log_path=tmp_path / "server.log")
     with server, server.client(timeout=30) as client:
         assert client.get("/readyz").status_code == 200
         assert client.get("/readyz").status_code == 200  # a pooled connection is now idle
-        pg_admin(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            f" WHERE datname = '{make_url(database_url).database}' AND pid <> pg_backend_pid()"
-        )
+        pg_admin(kill_all)
+        # The driver knows both are closed: each is replaced before anything is sent on it.
+        assert client.get("/readyz").status_code == 200
+
+        # Killed again while the database takes no new connections: readiness says the
+        # database is unavailable, never that the schema is behind.
+        pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        try:
+            pg_admin(kill_all)
+            refused = client.get("/readyz")
+            assert (refused.status_code, _problem_code(refused)) == (503, "database_unavailable")
+        finally:
+            pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
         answers: list[tuple[int, str | None]] = []
         deadline = time.monotonic() + 15
         while not answers or answers[-1] != (200, None):
@@ -170,4 +183,3 @@ def test_connections_killed_under_the_server_are_an_outage_not_an_old_schema(
             time.sleep(0.05)
 
     assert set(answers) <= {(503, "database_unavailable"), (200, None)}, answers
-    assert answers[0] == (503, "database_unavailable"), answers

@@ -1,6 +1,7 @@
-"""PostgreSQL: the journal's pooled connections die between two writes of a run (a database
-restart, a proxy timeout). The write answers 503, the dead connections are never reused, and
-the session resumes with the side effect that ran kept at most once."""
+"""PostgreSQL: the journal's connections die under a run. One that died idle in the pool (a
+proxy's or the server's idle timeout) is replaced before the write, which goes on; one that dies
+under the write answers 503, and the session resumes with the side effect that ran kept at
+most once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import asyncpg
 import pytest
@@ -17,6 +17,7 @@ from sqlalchemy.engine import make_url
 from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
+from tests.support.transactions import SessionRowLock
 
 TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
 KEY = {"Idempotency-Key": "turn-1"}
@@ -50,8 +51,8 @@ def _terminate_pooled_connections(database_url: str) -> int:
 @pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
-    database_url: str, tmp_path: Path, tool_server: ToolServer, agents_server: AgentsServer
+def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_results(
+    database_url: str, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
     server = agents_server(database_url=database_url).start()
     try:
@@ -65,12 +66,49 @@ def test_a_write_on_a_dead_connection_answers_503_and_the_session_resumes(
             in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
             wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
             assert _terminate_pooled_connections(database_url) >= 2
-            tool_server.release()  # write #2 now meets a dead connection
-            refused = in_flight.result(timeout=30)
+            tool_server.release()  # write #2 checks out a connection the server has ended
+            done = in_flight.result(timeout=30)
+            assert done.status_code == 200, done.text
+            assert done.json()["status"] == "complete"
+            history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
+        assert tool_server.count("slow_post") == 1
+        results = [m for m in history if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+        assert len(results) == 1
+        assert not results[0]["is_error"]
+        assert "kind" not in json.loads(results[0]["content"])  # the tool's own answer
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resumes(
+    database_url: str,
+    pg_admin: Callable[..., None],
+    agents_server: AgentsServer,
+    tool_server: ToolServer,
+) -> None:
+    database = make_url(database_url).database
+    server = agents_server(database_url=database_url).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
+            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
+            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            # Write #2 waits on the session's row; its connection is ended while it waits:
+            # the server cannot tell whether the write committed.
+            with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
+                tool_server.release()
+                wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
+                pg_admin(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                    f" WHERE datname = '{database}' AND wait_event_type = 'Lock'"
+                )
+                refused = in_flight.result(timeout=30)
             assert refused.status_code == 503, refused.text
             assert refused.json()["code"] == "database_unavailable"
 
-            resumed = client.post("/v1/runs", json=TURN, headers=KEY)  # the pool is new
+            resumed = client.post("/v1/runs", json=TURN, headers=KEY)
             assert resumed.status_code == 200, resumed.text
             assert resumed.json()["status"] == "complete"
             history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
@@ -103,8 +141,8 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
             wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
             pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
             assert _terminate_pooled_connections(database_url) >= 1
-            # A read meets a dead connection: the pool is then renewed, so write #2 must
-            # open a connection, which the database refuses.
+            # A read checks out a dead connection, and its replacement is refused; so is
+            # every connection write #2 tries to open.
             assert client.get("/v1/sessions").status_code == 503
             tool_server.release()
             refused = in_flight.result(timeout=30)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -35,7 +37,7 @@ def _terminate_pooled_connections(database_url: str) -> int:
         try:
             ended = await conn.fetchval(
                 "SELECT count(*) FROM ("
-                " SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
                 " WHERE datname = $1"
                 " AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
                 ") AS ended",
@@ -46,6 +48,32 @@ def _terminate_pooled_connections(database_url: str) -> int:
             await conn.close()
 
     return asyncio.run(go())
+
+
+def _turn_in_flight(
+    pool: ThreadPoolExecutor, client: httpx.Client, tool_server: ToolServer
+) -> Future[httpx.Response]:
+    """The keyed turn, posted and waiting inside its slow_post call (the tool server holds it)."""
+    in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
+    wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+    return in_flight
+
+
+def _resume(client: httpx.Client) -> None:
+    """The keyed turn resubmitted completes."""
+    resumed = client.post("/v1/runs", json=TURN, headers=KEY)
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["status"] == "complete"
+
+
+def _slow_post_result(client: httpx.Client) -> dict[str, Any]:
+    """The session's one slow_post result, after a turn with one user message."""
+    history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
+    assert sum(1 for m in history if m["role"] == "user") == 1
+    results = [m for m in history if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+    assert len(results) == 1
+    result: dict[str, Any] = results[0]
+    return result
 
 
 @pytest.mark.parametrize(
@@ -63,19 +91,16 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
                 for i in range(8)
             ]
             assert all(f.result(timeout=30).status_code == 200 for f in warm)
-            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
-            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            in_flight = _turn_in_flight(pool, client, tool_server)
             assert _terminate_pooled_connections(database_url) >= 2
             tool_server.release()  # write #2 checks out a connection the server has ended
             done = in_flight.result(timeout=30)
             assert done.status_code == 200, done.text
             assert done.json()["status"] == "complete"
-            history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
+            result = _slow_post_result(client)
         assert tool_server.count("slow_post") == 1
-        results = [m for m in history if m["role"] == "tool" and m["tool_name"] == "slow_post"]
-        assert len(results) == 1
-        assert not results[0]["is_error"]
-        assert "kind" not in json.loads(results[0]["content"])  # the tool's own answer
+        assert not result["is_error"]
+        assert "kind" not in json.loads(result["content"])  # the tool's own answer
     finally:
         server.kill()
 
@@ -93,8 +118,7 @@ def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resu
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
-            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
-            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            in_flight = _turn_in_flight(pool, client, tool_server)
             # Write #2 waits on the session's row; its connection is ended while it waits:
             # the server cannot tell whether the write committed.
             with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
@@ -108,15 +132,10 @@ def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resu
             assert refused.status_code == 503, refused.text
             assert refused.json()["code"] == "database_unavailable"
 
-            resumed = client.post("/v1/runs", json=TURN, headers=KEY)
-            assert resumed.status_code == 200, resumed.text
-            assert resumed.json()["status"] == "complete"
-            history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
+            _resume(client)
+            result = _slow_post_result(client)
         assert tool_server.count("slow_post") == 1
-        results = [m for m in history if m["role"] == "tool" and m["tool_name"] == "slow_post"]
-        assert len(results) == 1
-        assert json.loads(results[0]["content"])["kind"] == "tool-durability-error"
-        assert sum(1 for m in history if m["role"] == "user") == 1
+        assert json.loads(result["content"])["kind"] == "tool-durability-error"
     finally:
         server.kill()
 
@@ -137,8 +156,7 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
-            in_flight = pool.submit(client.post, "/v1/runs", json=TURN, headers=KEY)
-            wait_for(tool_server.in_flight.is_set, timeout=20, what="slow_post in flight")
+            in_flight = _turn_in_flight(pool, client, tool_server)
             pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
             assert _terminate_pooled_connections(database_url) >= 1
             # A read checks out a dead connection, and its replacement is refused; so is
@@ -150,9 +168,7 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
             assert refused.json()["code"] == "database_unavailable"
 
             pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
-            resumed = client.post("/v1/runs", json=TURN, headers=KEY)
-            assert resumed.status_code == 200, resumed.text
-            assert resumed.json()["status"] == "complete"
+            _resume(client)
         assert tool_server.count("slow_post") == 1
     finally:
         server.kill()

@@ -8,9 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -20,24 +18,10 @@ from starlette.routing import Route
 
 from app.domain import Message, ToolCall, ToolResult, durability_error
 from app.llm.anthropic import AnthropicLLMClient
-from app.llm.base import LLMError, ModelRequest, ToolSpec
+from app.llm.base import LLMError, ModelRequest
 from app.serving import ThreadedServer
 from tests.support.fake_anthropic import FakeAnthropic
-
-ISSUE = ToolSpec(
-    "get_issue",
-    "Fetch an issue by id",
-    {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
-)
-SLACK = ToolSpec(
-    "post_slack",
-    "Post a message",
-    {
-        "type": "object",
-        "properties": {"channel": {"type": "string"}, "urgent": {"type": "boolean"}},
-        "required": ["channel", "urgent"],
-    },
-)
+from tests.unit.adapter_support import ISSUE, SLACK, answer, failure, request
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +40,6 @@ async def llm(fake: FakeAnthropic) -> AsyncIterator[AnthropicLLMClient]:
     client = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="test-key", base_url=fake.url)
     yield client
     await client.aclose()
-
-
-def request(
-    messages: list[Message], *, model: str = "echo", tools: list[ToolSpec] | None = None
-) -> ModelRequest:
-    return ModelRequest(model, "You triage issues.", messages, tools or [], 256)
 
 
 def tool_history() -> list[Message]:
@@ -269,21 +247,6 @@ async def test_sdk_retry_recovers_from_one_overload(fake: FakeAnthropic) -> None
     assert len(fake.requests) == 2
 
 
-async def failure(
-    base_url: str, *, max_retries: int = 0, timeout_s: float = 5, model: str = "echo"
-) -> LLMError:
-    """The LLMError a fresh client raises for one request to `base_url`."""
-    llm = AnthropicLLMClient(
-        max_retries=max_retries, timeout_s=timeout_s, api_key="k", base_url=base_url
-    )
-    try:
-        with pytest.raises(LLMError) as caught:
-            await llm.complete(request([Message.user("hi")], model=model))
-    finally:
-        await llm.aclose()
-    return caught.value
-
-
 async def test_retries_exhausted_raise_the_last_error(fake: FakeAnthropic) -> None:
     error = await failure(fake.url, max_retries=1, model="fail:529")
 
@@ -331,6 +294,24 @@ async def test_slow_answer_is_a_timeout(fake: FakeAnthropic) -> None:
     error = await failure(fake.url, timeout_s=0.2)
 
     assert (error.type, error.retryable) == ("api_timeout", True)
+
+
+async def test_the_timeout_bounds_the_whole_call_with_its_retries() -> None:
+    # A 429 asking to wait 100 s: the SDK would sleep that long before each retry.
+    async def messages(_: Request) -> Response:
+        body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+        return JSONResponse(body, status_code=429, headers={"retry-after": "100"})
+
+    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
+    with ThreadedServer(app, name="slow-429") as server:
+        started = time.monotonic()
+        error = await failure(server.url, max_retries=2, timeout_s=1)
+        took = time.monotonic() - started
+
+    assert error.type == "api_timeout"
+    assert took < 10, f"the call took {took:.1f} s against a 1 s timeout"
+    # It said "timed out" only: an operator looked for a slow API, not a long Retry-After.
+    assert error.message.startswith("The model call did not finish within ANTHROPIC_TIMEOUT_S")
 
 
 async def test_fake_rejects_tool_use_without_its_result(
@@ -392,148 +373,3 @@ async def test_broken_profile_still_constructs(
         await llm.aclose()
 
     assert response.text == "echo: offline"
-
-
-USAGE = {"input_tokens": 3, "output_tokens": 4}
-
-
-def answer(*blocks: Any, usage: Any = USAGE, stop_reason: Any = "end_turn") -> bytes:
-    """A Messages API answer holding these content blocks."""
-    body: dict[str, Any] = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m"}
-    body |= {"content": list(blocks), "stop_reason": stop_reason, "usage": usage}
-    return json.dumps(body).encode()
-
-
-def nested(levels: int) -> dict[str, Any]:
-    """An object whose objects nest `levels` deep."""
-    value: dict[str, Any] = {"x": 1}
-    for _ in range(levels - 1):
-        value = {"a": value}
-    return value
-
-
-def deep_answer(levels: int) -> bytes:
-    """An answer whose tool input nests deeper than json.dumps (or json.loads) can go."""
-    marker = json.dumps({"marker": 1})
-    body = answer(tool_use(arguments={"marker": 1})).decode()
-    return body.replace(marker, '{"a":' * levels + "1" + "}" * levels).encode()
-
-
-def tool_use(call_id: Any = "toolu_1", name: Any = "get_issue", arguments: Any = None) -> Any:
-    return {"type": "tool_use", "id": call_id, "name": name, "input": arguments or {"id": "1"}}
-
-
-@contextmanager
-def model_answering(body: bytes, content_type: str = "application/json") -> Iterator[str]:
-    """A model API whose every answer is 200 with this body; its base URL."""
-
-    async def messages(_: Request) -> Response:
-        return Response(body, media_type=content_type)
-
-    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
-    with ThreadedServer(app, name="odd-model") as server:
-        yield server.url
-
-
-NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
-    "other-object": (b'{"hello": "world"}', "application/json"),
-    "no-usage": (b'{"content": [], "role": "assistant"}', "application/json"),
-    "array": (b"[1, 2, 3]", "application/json"),
-    "null": (b"null", "application/json"),
-    "plain-text": (b"hello", "text/plain"),
-    "html-said-json": (b"<html>502</html>", "application/json"),
-    "usage-null": (answer(usage={"input_tokens": None, "output_tokens": 1}), "application/json"),
-    "usage-strings": (
-        answer(usage={"input_tokens": "3", "output_tokens": "4"}),
-        "application/json",
-    ),
-    "usage-negative": (answer(usage={"input_tokens": -5, "output_tokens": 1}), "application/json"),
-    "usage-float": (answer(usage={"input_tokens": 1.5, "output_tokens": 1}), "application/json"),
-    # Past what a turn's 64-bit sums can hold: the final write failed, a 500 after the tools ran.
-    "usage-past-int64": (
-        answer(usage={"input_tokens": 2**63, "output_tokens": 1}),
-        "application/json",
-    ),
-    "usage-past-bound": (
-        answer(usage={"input_tokens": 1, "output_tokens": 2**32}),
-        "application/json",
-    ),
-    "text-not-string": (answer({"type": "text", "text": 123}), "application/json"),
-    # A stop reason is stored with the run, as text.
-    "stop-reason-number": (answer(tool_use(), stop_reason=7), "application/json"),
-    "stop-reason-object": (answer(stop_reason={"type": "end_turn"}), "application/json"),
-    "call-id-int": (answer(tool_use(call_id=123)), "application/json"),
-    "call-id-empty": (answer(tool_use(call_id="")), "application/json"),
-    "call-without-name": (answer(tool_use(name=None)), "application/json"),
-    "input-pairs": (answer(tool_use(arguments=[["x", "y"]])), "application/json"),
-    "input-number": (answer(tool_use(arguments=42)), "application/json"),
-    "same-id-twice": (answer(tool_use(), tool_use(arguments={"id": "2"})), "application/json"),
-    # Run and stored, then every answer holding it was a 500 (too deep to serialise back).
-    "input-too-deep": (answer(tool_use(arguments=nested(65))), "application/json"),
-    "input-far-too-deep": (deep_answer(5000), "application/json"),
-    # Ids and names the API refuses when the history is sent back (a NUL or a lone surrogate
-    # would become U+FFFD, which it refuses too).
-    "call-id-colon": (answer(tool_use(call_id="call:1")), "application/json"),
-    "call-id-space": (answer(tool_use(call_id="toolu 1")), "application/json"),
-    "call-id-nul": (answer(tool_use(call_id="toolu_\x00")), "application/json"),
-    "name-surrogate": (answer(tool_use(name="get_\udfff")), "application/json"),
-    "name-dot": (answer(tool_use(name="tools.get_issue")), "application/json"),
-    "name-too-long": (answer(tool_use(name="n" * 129)), "application/json"),
-}
-
-
-@pytest.mark.parametrize("case", NOT_MESSAGES)
-async def test_a_2xx_that_is_not_a_valid_message_is_an_api_error(case: str) -> None:
-    # The SDK builds whatever came without validating it: each of these once ended the run
-    # with Python's words, ran a tool on arguments the model never sent, or stored a call
-    # that broke every later read or turn of the session.
-    with model_answering(*NOT_MESSAGES[case]) as url:
-        error = await failure(url)
-
-    assert error.type == "api_error"
-    assert error.message.startswith(
-        "The model API answered something that is not a valid message: "
-    ), error.message
-
-
-async def test_blocks_it_does_not_know_are_skipped_and_text_is_made_storable() -> None:
-    body = answer(
-        {"type": "text", "text": "before \x00 "},
-        {"type": "container_upload_v9", "file_id": "f"},  # newer than the SDK
-        {"type": "thinking", "thinking": "hm", "signature": "s"},
-        {"type": "text", "text": "after \ud800"},
-        tool_use("toolu_1", "get_issue", {"id\x00": ["\ud83d", "ok \U0001f600"]}),
-        stop_reason="tool_use\x00\udfff",
-    )
-    with model_answering(body) as url:
-        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, api_key="k", base_url=url)
-        try:
-            response = await llm.complete(request([Message.user("hi")], tools=[ISSUE]))
-        finally:
-            await llm.aclose()
-
-    # NUL (PostgreSQL text) and lone surrogates (not UTF-8) cannot be stored: U+FFFD.
-    assert response.text == "before \ufffd after \ufffd"
-    assert response.tool_calls == [
-        ToolCall("toolu_1", "get_issue", {"id\ufffd": ["\ufffd", "ok \U0001f600"]})
-    ]
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (3, 4)
-    assert response.stop_reason == "tool_use\ufffd\ufffd"
-
-
-async def test_the_timeout_bounds_the_whole_call_with_its_retries() -> None:
-    # A 429 asking to wait 100 s: the SDK would sleep that long before each retry.
-    async def messages(_: Request) -> Response:
-        body = {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
-        return JSONResponse(body, status_code=429, headers={"retry-after": "100"})
-
-    app = Starlette(routes=[Route("/v1/messages", messages, methods=["POST"])])
-    with ThreadedServer(app, name="slow-429") as server:
-        started = time.monotonic()
-        error = await failure(server.url, max_retries=2, timeout_s=1)
-        took = time.monotonic() - started
-
-    assert error.type == "api_timeout"
-    assert took < 10, f"the call took {took:.1f} s against a 1 s timeout"
-    # It said "timed out" only: an operator looked for a slow API, not a long Retry-After.
-    assert error.message.startswith("The model call did not finish within ANTHROPIC_TIMEOUT_S")

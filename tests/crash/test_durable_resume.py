@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.crash.test_crash_matrix import (
+from tests.crash.support import (
     ISSUE,
     MESSAGE,
     SESSION,

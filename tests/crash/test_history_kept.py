@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.failpoints import NAMES
-from tests.crash.test_crash_matrix import (
+from tests.crash.support import (
     assert_history_consistent,
     assert_idempotency_keys,
     crash_run,

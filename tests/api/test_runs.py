@@ -18,7 +18,8 @@ from app.db.session import Database
 from tests.api.conftest import build_app
 from tests.api.helpers import Json, assert_problem, get_ok, run, serve
 from tests.support.agents import NEWER_STOP
-from tests.support.fake_anthropic import STOPPED_TEXT_CHARS, FakeAnthropic
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.fake_anthropic_replies import STOPPED_TEXT_CHARS
 from tests.support.tool_server import ToolServer
 
 RUN_FIELDS = {"run_id", "session_id", "status", "response", "iterations", "messages", "usage"}

@@ -12,7 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.fake_anthropic import FakeAnthropic, InvalidRequest, scenario_reply, validate
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.fake_anthropic_replies import scenario_reply
+from tests.support.fake_anthropic_validation import InvalidRequest, validate
 
 TOOLS = [
     {

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 
 from app.errors import ShuttingDown
@@ -136,23 +138,31 @@ async def plain_parameters(request: Request) -> None:
     """Path and query values the handlers can trust, on every store alike (422 otherwise):
     none holds NUL (PostgreSQL text cannot hold the character, so it must never reach a
     query), and no query parameter comes twice (each takes one value: the router would
-    read the last, a proxy perhaps the first)."""
+    read the last, a proxy perhaps the first). A query parameter the route does not take
+    is ignored, as FastAPI ignores it."""
+    route = request.scope.get("route")
+    taken = set(_query_names(route.dependant)) if isinstance(route, APIRoute) else set()
+    query = [(name, value) for name, value in request.query_params.multi_items() if name in taken]
     errors = [
         _invalid(where, name, "must not contain NUL characters")
-        for where, items in (
-            ("path", request.path_params.items()),
-            ("query", request.query_params.multi_items()),
-        )
+        for where, items in (("path", request.path_params.items()), ("query", query))
         for name, value in items
         if "\x00" in str(value)
     ]
-    counts = Counter(name for name, _ in request.query_params.multi_items())
+    counts = Counter(name for name, _ in query)
     errors += [
         _invalid("query", name, "must be sent once")
         for name in sorted(name for name, count in counts.items() if count > 1)
     ]
     if errors:
         raise RequestValidationError(errors)
+
+
+def _query_names(dependant: Dependant) -> Iterator[str]:
+    """The query parameters a route's handler and its dependencies take."""
+    yield from (field.alias for field in dependant.query_params)
+    for sub in dependant.dependencies:
+        yield from _query_names(sub)
 
 
 def one_idempotency_key(request: Request) -> None:

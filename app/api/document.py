@@ -7,8 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from app.api.problems import PROBLEM_JSON, documented_problem
-from app.errors import AppError, PayloadTooLarge
+from app.api.problems import PROBLEM_JSON
 
 # What app.api.deps.plain_parameters lets through: any string without NUL.
 NO_NUL = "^[^\\x00]*$"
@@ -29,7 +28,6 @@ def finish_document(app: FastAPI) -> None:
             for item in generate()["paths"].values():
                 for operation in item.values():
                     _auth_as_optional(operation)
-                    _problems_of_every_route(operation)
                     _problems_as_problem_json(operation)
                     _no_nul_in_parameters(operation)
         assert app.openapi_schema is not None
@@ -47,22 +45,14 @@ def _auth_as_optional(operation: dict[str, Any]) -> None:
         operation["security"].insert(0, {})
 
 
-def _problems_of_every_route(operation: dict[str, Any]) -> None:
-    """What any route may answer: 413 for a body over the limit (on any method, before the
-    route is reached), and 500 for what went wrong unforeseen."""
-    for error in (PayloadTooLarge, AppError):
-        operation["responses"].setdefault(
-            str(error.status), documented_problem(error.status, [error.code])
-        )
-
-
 def _problems_as_problem_json(operation: dict[str, Any]) -> None:
     """A problem is only ever sent as application/problem+json (FastAPI also lists the route's
-    own application/json for every response with a model)."""
+    own media type, application/json or /metrics' text/plain, for every response with a
+    model)."""
     for response in operation["responses"].values():
         content = response.get("content", {})
         if PROBLEM_JSON in content:
-            content.pop("application/json", None)
+            response["content"] = {PROBLEM_JSON: content[PROBLEM_JSON]}
 
 
 def _no_nul_in_parameters(operation: dict[str, Any]) -> None:

@@ -45,7 +45,11 @@ class BodySizeLimit:
             except asyncio.CancelledError:
                 if not self.lifecycle.cancelled_by_shutdown():
                     raise
-                await self._reject(scope, receive, send, ShuttingDown())
+                cut_off = ShuttingDown(
+                    "This replica is shutting down and read no more of this request (it"
+                    " reached nothing); send it again, elsewhere."
+                )
+                await self._reject(scope, receive, send, cut_off)
                 return
             if message["type"] == "http.disconnect":
                 return

@@ -20,6 +20,7 @@ from app.errors import (
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    ShuttingDown,
     ValidationFailed,
 )
 from app.schemas.common import Problem
@@ -155,12 +156,20 @@ _PROBLEM_HEADERS: dict[int, dict[str, Any]] = {
 }
 
 
+# What any route may answer: 413 for a body over the limit (on any method, before the route
+# is reached), 503 when shutdown begins while its body is still arriving, and 500 for what
+# went wrong unforeseen.
+EVERY_ROUTE: tuple[type[AppError], ...] = (PayloadTooLarge, ShuttingDown, AppError)
+
+
 def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` documenting problem+json for the statuses of the route's errors,
-    each response's description naming the `code`s it may carry."""
+    """OpenAPI `responses` documenting problem+json for the statuses of the route's errors
+    and of EVERY_ROUTE's, each response's description naming the `code`s it may carry."""
     codes: dict[int, list[str]] = {}
-    for error in errors:
-        codes.setdefault(error.status, []).append(error.code)
+    for error in (*errors, *EVERY_ROUTE):
+        named = codes.setdefault(error.status, [])
+        if error.code not in named:
+            named.append(error.code)
     return {
         status: {"model": Problem, **documented_problem(status, named)}
         for status, named in sorted(codes.items())

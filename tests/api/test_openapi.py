@@ -103,9 +103,10 @@ def test_problem_statuses_of_each_route(openapi: Json) -> None:
     assert statuses("get", "/v1/agents/{name}") >= {"200", "404"}
     for path in ("/v1/sessions", "/v1/agents"):
         assert "422" in statuses("get", path), path
-    # Any route may answer these: a body over 1 MiB (any method), and the unforeseen.
+    # Any route may answer these: a body over 1 MiB (any method), shutdown while its body
+    # is still arriving, and the unforeseen.
     for method, path in ops:
-        assert statuses(method, path) >= {"413", "500"}, (method, path)
+        assert statuses(method, path) >= {"413", "500", "503"}, (method, path)
 
 
 def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> None:
@@ -133,6 +134,11 @@ def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> No
     }
     assert codes("get", "/healthz", "413") == {"payload_too_large"}
     assert codes("get", "/healthz", "500") == {"internal_error"}
+    assert codes("get", "/healthz", "503") == {"shutting_down"}
+    assert codes("get", "/v1/sessions/{session_id}", "503") == {
+        "database_unavailable",
+        "shutting_down",
+    }
     # Every code a route answers (CONTRACT §3's list and ours) is named somewhere; the
     # generic ones (unknown path, wrong method, HTTP-level errors) belong to no route.
     named = {

@@ -170,10 +170,11 @@ def test_sigterm_answers_a_body_still_arriving_at_once(
     ).start()
     uploads: list[socket.socket] = []
     try:
-        for _ in range(3):
+        # Any route, any method: a body is a body.
+        for request_line in (b"POST /v1/runs", b"GET /healthz", b"DELETE /v1/sessions/s"):
             upload = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             upload.sendall(
-                b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                request_line + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b'Content-Length: 100\r\n\r\n{"ag'
             )
             uploads.append(upload)
@@ -191,7 +192,9 @@ def test_sigterm_answers_a_body_still_arriving_at_once(
     for answer in answers:
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), answer
-        assert json.loads(body)["code"] == "shutting_down"
+        problem = json.loads(body)
+        assert problem["code"] == "shutting_down"
+        assert "read no more of this request" in problem["detail"], problem
     assert "Traceback" not in server.logs(), server.logs()
 
 

@@ -14,7 +14,7 @@ from app.schemas.common import Health, Readiness
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=responses())
 async def healthz() -> Health:
     """The process is alive."""
     return Health(status="ok")
@@ -28,7 +28,7 @@ async def readyz(services: ServicesDep) -> Readiness:
     return Readiness(status="ready", schema_revision=await services.health.readiness())
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get("/metrics", response_class=PlainTextResponse, responses=responses())
 async def get_metrics(services: ServicesDep) -> PlainTextResponse:
     """Prometheus text format."""
     return PlainTextResponse(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -126,7 +126,8 @@ class RunSummary(BaseModel):
             " `pause_turn`, `model_context_window_exceeded`, or a newer one; at most 64"
             " characters kept). A run can be `complete` with an answer cut off: check"
             ' `stop_reason == "max_tokens"`. Null when the turn got no answer from the model'
-            " (its first model call failed, or it has not ended)."
+            " (its first model call failed), and until it ends: so also for a run `running`"
+            " or `interrupted` (its runner died; it is stored with the turn's end)."
         ),
         max_length=64,
     )

@@ -226,7 +226,8 @@ def check_runs(client: httpx.Client, crashed: Crashed, run: Json, history: list[
     if crashed.snapshot:
         assert crashed.snapshot[0]["run_id"] == interrupted
     crashed_run = get_json(client, f"/v1/runs/{interrupted}")
-    assert crashed_run["status"] == "interrupted"
+    # Its stop reason is stored with the turn's end, which it never reached.
+    assert (crashed_run["status"], crashed_run["stop_reason"]) == ("interrupted", None)
     # Its messages: what it stored before the crash, then the repairs made under its id.
     stored = crashed_run["messages"]
     assert [m["seq"] for m in stored[: len(crashed.snapshot)]] == [

@@ -101,10 +101,14 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
 
 
 def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) -> None:
-    for agent in registry.agents.values():
-        if (problem := unknown_script(agent.model)) is not None:
-            source = agents_file or "the built-in example agents"
-            raise ConfigError(f"{source}: agent {agent.name!r}: {problem}")
+    source = agents_file or "the built-in example agents"
+    problems = [
+        f"{source}: agent {agent.name!r}: {problem}"
+        for agent in registry.agents.values()
+        if (problem := unknown_script(agent.model)) is not None
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None, lifecycle: Lifecycle) -> FastAPI:

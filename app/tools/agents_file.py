@@ -1,7 +1,9 @@
 """The agents file (CONTRACT §5): YAML read strictly, built into a ToolRegistry.
 
 Once the file's shape is valid, the first problem of each tool and agent entry is reported,
-all at once, as one ConfigError (a file of the wrong shape is refused for that alone).
+all at once, as one ConfigError (a file of the wrong shape is refused for that alone). Once it
+is all valid, `serve` refuses agents on a `scripted:` model it has no script for, all at once
+too (app/main.py: other callers bring scripts of their own).
 """
 
 from __future__ import annotations

@@ -58,11 +58,16 @@ def test_the_installed_command_refuses_as_the_test_servers_do(tmp_path: Path) ->
     assert forked.startswith("Error: invalid environment: LOG_LEVEL: Input should be"), forked
 
 
-def test_an_agent_on_a_scripted_model_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+def test_agents_on_scripted_models_that_do_not_exist_are_refused_all_at_once(
+    tmp_path: Path,
+) -> None:
     agents = tmp_path / "agents.yaml"
-    agents.write_text('agents:\n  a1:\n    model: "scripted:nosuch"\n')
+    agents.write_text(
+        'agents:\n  a1:\n    model: "scripted:nosuch"\n  a2:\n    model: "scripted:nor"\n'
+    )
     logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", agents_file=agents)
     assert f"{agents}: agent 'a1': unknown scripted model 'scripted:nosuch'" in logs, logs
+    assert f"{agents}: agent 'a2': unknown scripted model 'scripted:nor'" in logs, logs
     assert "known: echo, support" in logs
 
 

@@ -248,6 +248,8 @@ def test_links_lead_from_a_run_to_its_run_and_session(openapi: Json) -> None:
                 target = by_id[link["operationId"]]
                 names = {p["name"] for p in target["parameters"] if p["in"] == "path"}
                 assert set(link["parameters"]) == names, link
+                # A stateless run's ids lead nowhere (nothing of it is stored): said so.
+                assert "stateless" in link["description"], link
                 for expression in link["parameters"].values():
                     assert expression.removeprefix("$response.body#/") in fields, expression
                 followed.setdefault(f"{method} {path} {status}", set()).add(link["operationId"])

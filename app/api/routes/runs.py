@@ -50,11 +50,20 @@ IdempotencyKey = Annotated[
 ]
 
 # OpenAPI links: where a run's ids lead (tools that walk the API, schemathesis among them,
-# follow these; the session ones apply to durable runs, whose session_id is not null).
+# follow these). A stateless run is not stored and has no session: they lead nowhere from it.
+_DURABLE_ONLY = "For a durable run only: a stateless one is not stored (session_id null)."
 RUN_LINKS = {
-    "GetRun": {"operationId": "get_run", "parameters": {"run_id": "$response.body#/run_id"}},
+    "GetRun": {
+        "operationId": "get_run",
+        "parameters": {"run_id": "$response.body#/run_id"},
+        "description": _DURABLE_ONLY,
+    },
     **{
-        name: {"operationId": operation, "parameters": {"session_id": "$response.body#/session_id"}}
+        name: {
+            "operationId": operation,
+            "parameters": {"session_id": "$response.body#/session_id"},
+            "description": _DURABLE_ONLY,
+        }
         for name, operation in (
             ("GetSession", "get_session"),
             ("ListMessages", "list_messages"),

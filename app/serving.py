@@ -96,7 +96,10 @@ class ServeProcess:
 
     def start(self, *, timeout: float = 60) -> Self:
         """Spawn the server and wait until /healthz answers; killed if it does not (or the
-        wait is interrupted)."""
+        wait is interrupted). Again once it has ended: a restart."""
+        if self.process is not None and self.process.poll() is None:
+            # `with server.start():` would start a second one beside it.
+            raise RuntimeError(f"the server on port {self.port} is already running")
         self.process = self._spawn()
         deadline = time.monotonic() + timeout
         try:

@@ -10,6 +10,7 @@ its input).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import sys
@@ -121,7 +122,9 @@ def _logged_path(path: str) -> str:
 
 
 class AccessLog:
-    """One INFO line per request: method, path, status, duration."""
+    """One INFO line per request: method, path, status, duration. A request whose client
+    went away before its answer started is logged 499 (nginx's "client closed request"),
+    whatever the app answered into the closed connection."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -132,7 +135,8 @@ class AccessLog:
             return
         start = time.perf_counter()
         status: int | None = None
-        gone = False
+        gone = False  # before an answer started
+        listener: asyncio.Task[None] | None = None
 
         async def capture(message: Message) -> None:
             nonlocal status
@@ -140,19 +144,32 @@ class AccessLog:
                 status = message["status"]
             await send(message)
 
-        async def watch() -> Message:
+        def note(message: Message) -> None:
             nonlocal gone
+            gone = gone or (message["type"] == "http.disconnect" and status is None)
+
+        async def listen() -> None:
+            note(await receive())
+
+        async def watch() -> Message:
+            nonlocal listener
             message = await receive()
-            gone = gone or message["type"] == "http.disconnect"
+            note(message)
+            if message["type"] == "http.request" and not message.get("more_body"):
+                # The body is all in: what comes next is the client going away, which no
+                # one else listens for while a turn runs.
+                listener = asyncio.create_task(listen())
             return message
 
         try:
             await self.app(scope, watch, capture)
         finally:
-            if status is None:
-                # No answer was started: the client went away first (nginx's 499, "client
-                # closed request"), or the server answers 500 itself.
-                status = CLIENT_CLOSED_REQUEST if gone else 500
+            if listener is not None:
+                listener.cancel()
+            if gone:
+                status = CLIENT_CLOSED_REQUEST
+            elif status is None:
+                status = 500  # no answer was started, and the client is there: ours to send
             path = _logged_path(scope["path"])
             extra: dict[str, Any] = {
                 "method": scope["method"],

@@ -1,4 +1,6 @@
-"""A client that goes away mid-turn: the turn goes on to its end, and is stored."""
+"""A client that goes away mid-turn: the turn goes on to its end, and is stored; the access
+log says the client closed the request (499), not what was answered into the closed
+connection."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from tests.ops.helpers import json_lines
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
 
@@ -15,7 +18,8 @@ def test_a_client_that_goes_away_mid_turn_does_not_stop_it(
     agents_server: AgentsServer, database_url: str, tool_server: ToolServer
 ) -> None:
     body = {"agent": "slow", "message": "Triage issue 7", "session_id": "gone"}
-    with agents_server(database_url=database_url).start() as server, server.client() as client:
+    server = agents_server(database_url=database_url)
+    with server, server.client() as client:
         with pytest.raises(httpx.ReadTimeout):  # slow_post is held: the client gives up
             client.post("/v1/runs", json=body, timeout=3)
         assert tool_server.in_flight.wait(30)
@@ -30,3 +34,8 @@ def test_a_client_that_goes_away_mid_turn_does_not_stop_it(
         assert [m["role"] for m in history] == ["user", "assistant", "tool", "tool", "assistant"]
         assert not any(m.get("is_error") for m in history), history
         assert tool_server.count("slow_post") == 1
+        deadline = time.monotonic() + 10
+        while not (posts := [r for r in json_lines(server.logs()) if r.get("method") == "POST"]):
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+    assert [(r["path"], r["status"]) for r in posts] == [("/v1/runs", 499)]

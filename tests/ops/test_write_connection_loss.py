@@ -25,6 +25,11 @@ TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connec
 KEY = {"Idempotency-Key": "turn-1"}
 ECHO = {"agent": "echo", "message": "hello"}
 
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
 
 def _terminate_pooled_connections(database_url: str) -> int:
     """End every backend on the database but the one holding advisory locks (the server's
@@ -76,9 +81,6 @@ def _slow_post_result(client: httpx.Client) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
 def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_results(
     database_url: str, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
@@ -105,9 +107,6 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
         server.kill()
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
 def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resumes(
     database_url: str,
     pg_admin: Callable[..., None],
@@ -140,9 +139,6 @@ def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resu
         server.kill()
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
 def test_a_write_that_cannot_connect_at_all_answers_503(
     database_url: str,
     tool_server: ToolServer,

@@ -1,7 +1,8 @@
 """PostgreSQL: the journal's connections die under a run. One that died idle in the pool (a
 proxy's or the server's idle timeout) is replaced before the write, which goes on; one that dies
-under the write answers 503, and the session resumes with the side effect that ran kept at
-most once."""
+under the write is told committed or not from the session's state while the session is still
+held, and the turn goes on; with the hold gone too it answers 503, and the session resumes with
+the side effect that ran kept at most once."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
         server.kill()
 
 
-def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resumes(
+def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goes_on(
     database_url: str,
     pg_admin: Callable[..., None],
     agents_server: AgentsServer,
@@ -118,14 +119,50 @@ def test_a_write_whose_connection_dies_under_it_answers_503_and_the_session_resu
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = _turn_in_flight(pool, client, tool_server)
-            # Write #2 waits on the session's row; its connection is ended while it waits:
-            # the server cannot tell whether the write committed.
+            # Write #2 waits on the session's row; its connection is ended while it waits.
+            # The server still holds the session, so the stored state tells it the write did
+            # not commit: it is sent again, and goes through once the row is free.
             with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
                 tool_server.release()
                 wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
                 pg_admin(
                     "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
                     f" WHERE datname = '{database}' AND wait_event_type = 'Lock'"
+                )
+                wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
+            done = in_flight.result(timeout=30)
+            assert done.status_code == 200, done.text
+            assert done.json()["status"] == "complete"
+            result = _slow_post_result(client)
+        assert tool_server.count("slow_post") == 1
+        assert not result["is_error"]
+        assert "kind" not in json.loads(result["content"])  # the tool's own answer
+        assert "had not committed: sent again" in server.logs()
+    finally:
+        server.kill()
+
+
+def test_a_write_whose_connection_dies_with_the_sessions_hold_answers_503_and_resumes(
+    database_url: str,
+    pg_admin: Callable[..., None],
+    agents_server: AgentsServer,
+    tool_server: ToolServer,
+) -> None:
+    database = make_url(database_url).database
+    server = agents_server(database_url=database_url).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
+            in_flight = _turn_in_flight(pool, client, tool_server)
+            # Write #2's connection and the lock connection end together (a restart of the
+            # database, a failover): with the session no longer held, no stored state can say
+            # whether the write committed (another runner may have written since).
+            with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
+                tool_server.release()
+                wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
+                pg_admin(
+                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                    f" WHERE datname = '{database}' AND (wait_event_type = 'Lock'"
+                    " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'))"
                 )
                 refused = in_flight.result(timeout=30)
             assert refused.status_code == 503, refused.text

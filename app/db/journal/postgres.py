@@ -34,7 +34,7 @@ from app.db.outages import (
     unavailable,
 )
 from app.db.repositories import message_to_row
-from app.errors import SessionConflict
+from app.errors import DatabaseUnavailable, SessionConflict
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,14 @@ _SATURATED_MAX_PAUSE_S = 1.0
 
 
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
+
+
+class _ConnectionLost(Exception):
+    """The connection failed under a statement: whether the server ran it is unknown."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(type(error).__name__)
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,15 @@ class PostgresJournalStore:
     fence_sql: str
     observers: list[Callable[[int], None]] = field(default_factory=list)
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
+    _state: _Statement = field(init=False)
+
+    def __post_init__(self) -> None:
+        # What tells whether a write whose connection died had committed (`_resend_after`).
+        self._state = _Statement.of(
+            f"SELECT {self.fence_sql} AS owned,"
+            " (SELECT message_count FROM session WHERE id = :session_id) AS count,"
+            " EXISTS (SELECT 1 FROM run WHERE id = :run_id) AS run_stored"
+        )
 
     async def write(self, write: JournalWrite) -> None:
         shape = _Shape(
@@ -104,18 +121,51 @@ class PostgresJournalStore:
         statement = self._statements.get(shape)
         if statement is None:
             statement = self._statements[shape] = _Statement.of(self._sql(shape))
+        args = statement.args(self._params(write))
+        # Once the turn is started: it may have run tools whose results would be lost.
+        patient = write.new_run is None
         try:
-            claimed = await self.fetchval(
-                statement.sql,
-                statement.args(self._params(write)),
-                write.before_commit,
-                # Once the turn is started: it may have run tools whose results would be lost.
-                patient=write.new_run is None,
-            )
+            try:
+                claimed = await self._fetch(
+                    statement.sql, args, write.before_commit, patient=patient
+                )
+            except _ConnectionLost as lost:
+                if not await self._resend_after(lost, write, patient=patient):
+                    return  # it had committed
+                claimed = await self.fetchval(statement.sql, args, patient=patient)
         except asyncpg.UniqueViolationError as exc:  # another writer stored these keys first
             raise SessionConflict(write.session_id) from exc
         if claimed != 1:
             raise SessionConflict(write.session_id)
+
+    async def _resend_after(
+        self, lost: _ConnectionLost, write: JournalWrite, *, patient: bool
+    ) -> bool:
+        """The connection died under the write (a server or proxy ending it, even while it
+        sat idle in the pool): did the write commit? While this runner still holds the
+        session, no other can have written to it since, so the session's state says. True:
+        it did not, send it again; False: it did. Where that cannot be told (the session is
+        no longer held), the write fails as it would have (503), its outcome unknown."""
+        params = {"session_id": write.session_id, "run_id": write.run_id, **write.fence}
+        try:
+            state = await self._fetch(
+                self._state.sql, self._state.args(params), None, patient=patient, row=True
+            )
+        except (_ConnectionLost, DatabaseUnavailable):
+            raise unavailable(lost.error) from lost.error
+        if state is None or not state["owned"]:
+            raise unavailable(lost.error) from lost.error
+        if write.messages:
+            committed = state["count"] == write.new_count
+        elif write.new_run is not None:
+            committed = state["run_stored"]
+        else:  # only run updates: the same values again change nothing
+            committed = False
+        log.warning(
+            "the database connection ended under a durable write, which %s",
+            "had committed" if committed else "had not committed: sent again",
+        )
+        return not committed
 
     async def fetchval(
         self,
@@ -126,7 +176,23 @@ class PostgresJournalStore:
         patient: bool = False,
     ) -> Any:
         """One statement in its own transaction on a pooled connection's driver: one round
-        trip (two more, BEGIN and COMMIT, only when `before_commit` must run in between).
+        trip (two more, BEGIN and COMMIT, only when `before_commit` must run in between)."""
+        try:
+            return await self._fetch(sql, args, before_commit, patient=patient)
+        except _ConnectionLost as lost:
+            raise unavailable(lost.error) from lost.error
+
+    async def _fetch(
+        self,
+        sql: str,
+        args: Sequence[Any],
+        before_commit: Callable[[], None] | None,
+        *,
+        patient: bool,
+        row: bool = False,
+    ) -> Any:
+        """`fetchval` (or the first row: `row`), but a connection lost under the statement
+        raises _ConnectionLost.
 
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
@@ -135,11 +201,12 @@ class PostgresJournalStore:
         try:
             raw = pooled.driver_connection
             assert raw is not None
+            fetch = raw.fetchrow if row else raw.fetchval
             if before_commit is None:
-                value = await raw.fetchval(sql, *args)
+                value = await fetch(sql, *args)
             else:
                 async with raw.transaction():
-                    value = await raw.fetchval(sql, *args)
+                    value = await fetch(sql, *args)
                     before_commit()
         except BaseException as exc:
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
@@ -152,7 +219,7 @@ class PostgresJournalStore:
                 # As SQLAlchemy does on a disconnect: the pool's other connections are as old
                 # as this one, so none is reused.
                 await self.engine.dispose()
-                raise unavailable(exc) from exc
+                raise _ConnectionLost(exc) from exc
             raise
         # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
         # adapter can only do inside greenlet_spawn.

@@ -1,0 +1,134 @@
+"""PostgreSQL: a durable write whose connection ends under it (the server or a proxy ending
+it, a backend terminated) has an unknown outcome. While the runner still holds the session it
+is told from the stored state: committed, it is done; not, it is sent again on a new
+connection. Where the session is no longer held it fails (503) as before, its outcome left
+to the resume."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import asyncpg
+import pytest
+
+from app.db.session import Database
+from app.db.urls import asyncpg_dsn
+from app.domain import Message, Role
+from app.errors import DatabaseUnavailable
+from app.metrics import Metrics
+from app.services.journal import DurableJournal
+from app.services.pg_ownership import PostgresOwnership
+from tests.integration.journal.support import (
+    CALLS,
+    SESSION,
+    journal_on,
+    read,
+    results_for,
+    shape,
+    start,
+)
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
+# What each write of a step stores: the user message and the assistant's calls.
+STEP = [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
+
+
+@contextmanager
+def next_statement_loses_its_connection(
+    *, runs: bool, before: Callable[[], Awaitable[None]] | None = None
+) -> Iterator[list[str]]:
+    """The next statement sent on any asyncpg connection of this process ends its connection:
+    after the server `runs` it (its answer lost), or before it is sent. `before` runs first.
+    Yields the statements so ended."""
+    real = asyncpg.Connection.fetchval
+    ended: list[str] = []
+
+    async def fetchval(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+        if ended:
+            return await real(self, query, *args, **kwargs)
+        ended.append(query)
+        if before is not None:
+            await before()
+        if runs:
+            await real(self, query, *args, **kwargs)
+        self.terminate()
+        raise asyncpg.ConnectionDoesNotExistError(
+            "connection was closed in the middle of operation"
+        )
+
+    asyncpg.Connection.fetchval = fetchval
+    try:
+        yield ended
+    finally:
+        asyncpg.Connection.fetchval = real
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["committed", "never-ran"])
+async def test_a_write_whose_connection_ended_is_stored_once(
+    db: Database, journal: DurableJournal, runs: bool
+) -> None:
+    turn = await start(journal, "buy it")
+    with next_statement_loses_its_connection(runs=runs) as ended:
+        await journal.record_step(turn, Message.assistant("on it", CALLS))
+    assert len(ended) == 1
+
+    stored = await read(db, turn.run_id)
+    assert shape(stored.history) == STEP
+    assert stored.session is not None and stored.session.message_count == 2
+    # The turn goes on: its next write finds the count it expects.
+    await journal.record_results(turn, results_for(*CALLS))
+    assert len((await read(db, turn.run_id)).history) == 4
+
+
+async def test_a_started_turn_whose_start_record_was_committed_is_not_started_twice(
+    db: Database, metrics: Metrics
+) -> None:
+    # The start record stores no message: whether it committed is told by its run row.
+    journal = journal_on(db, metrics)
+    with next_statement_loses_its_connection(runs=True):
+        turn = await start(journal, "buy it")
+    stored = await read(db, turn.run_id)
+    assert turn.run_id in stored.runs
+    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    assert shape((await read(db, turn.run_id)).history) == STEP
+
+
+@pytest.fixture
+async def runner(database_url: str) -> AsyncIterator[PostgresOwnership]:
+    ownership = PostgresOwnership(database_url, heartbeat_s=0.5, takeover_after_s=3)
+    await ownership.start()
+    try:
+        yield ownership
+    finally:
+        await ownership.stop()
+
+
+async def test_without_the_session_held_the_outcome_is_left_unknown(
+    db: Database, metrics: Metrics, database_url: str, runner: PostgresOwnership
+) -> None:
+    # The lock connection ends with the write's: no stored state can be trusted to say
+    # whether the write committed (another runner may have written since), so it fails.
+    journal = journal_on(db, metrics, ownership=runner)
+
+    async def lose_the_lock() -> None:
+        pid = runner.fence_params(SESSION)["fence_pid"]
+        admin = await asyncpg.connect(asyncpg_dsn(database_url))
+        try:
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
+        finally:
+            await admin.close()
+
+    async with runner.hold(SESSION):
+        turn = await start(journal, "buy it")
+        with (
+            next_statement_loses_its_connection(runs=False, before=lose_the_lock),
+            pytest.raises(DatabaseUnavailable),
+        ):
+            await journal.record_step(turn, Message.assistant("on it", CALLS))
+    assert (await read(db, turn.run_id)).history == []

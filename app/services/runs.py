@@ -26,6 +26,7 @@ from app.db.repositories import (
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, Usage
 from app.errors import (
+    DatabaseUnavailable,
     IdempotencyKeyReused,
     MemoryStoreNotDurable,
     RunNotFound,
@@ -44,6 +45,12 @@ from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
+
+_HOLD_LOST = (
+    "This replica's hold on session {!r} ended with its connection to the database, so it"
+    " stopped without writing or dispatching anything further (a tool call already under way"
+    " may still finish). Resubmit the same session_id (and Idempotency-Key) to resume the turn."
+)
 
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
@@ -136,9 +143,11 @@ class RunService:
                             continue
                         return refused
                     return await _answer(await self._run_owned(turn, body), stack)
-        except SessionConflict as lost:  # another runner took the session over: name its run
-            active = await self._active_run(lost, turn)
-            raise SessionConflict(body.session_id, active) from lost
+        except SessionConflict as lost:
+            if await self._hold_ended_untaken(turn):
+                raise DatabaseUnavailable(_HOLD_LOST.format(body.session_id)) from lost
+            # Another runner took the session over: name its run.
+            raise SessionConflict(body.session_id, await self._active_run(lost, turn)) from lost
 
     async def _refuse(
         self, busy: SessionBusy, turn: Turn, body: RunCreate, *, retry_until: float
@@ -163,6 +172,18 @@ class RunService:
         logs.bind(run_id=earlier.id)
         replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
         return RunResult(replay, replayed=True)
+
+    async def _hold_ended_untaken(self, turn: Turn) -> bool:
+        """Whether this replica lost the session with no other runner taking it: its hold
+        ended with its connection to the database (a restart of it, a backend ended), not
+        with a second request. Nobody holds the session, and this turn's run still shows
+        `running` (a runner that took over would have ended or continued it)."""
+        assert turn.session_id is not None
+        if await self.ownership.is_held(turn.session_id):
+            return False
+        async with self.db.reads.begin() as session:
+            run = await RunRepository(session).get(turn.run_id)
+        return run is not None and run.status == RunStatus.RUNNING.value
 
     async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
         assert turn.session_id is not None

@@ -162,6 +162,34 @@ def test_holder_that_lost_its_lock_dispatches_no_further_tool(
         assert history(client, session) == messages
 
 
+def test_a_holder_whose_lock_connection_ended_with_no_taker_answers_503_and_resumes(
+    servers: Servers, database_url: str, tool_server: ToolServer
+) -> None:
+    """A's lock connection ends mid-step (a backend ended by an administrator or a proxy) and
+    no other runner comes: A stops without writing, and says the database ended its hold; it
+    answered 409 `session_busy` naming its own run as the one in progress."""
+    a = servers.new("a")
+    servers.start_all(a)
+    session, key = "s-hold-lost", {"Idempotency-Key": "turn-41"}
+    body = run_body("slow", "Post the slow report", session)
+    on_a = Background(a.url, body, headers=key)
+    assert tool_server.in_flight.wait(15), a.logs()
+    assert drop_lock_connections(database_url) == 1
+    wait_for(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
+    tool_server.release()
+    answer = on_a.join(15)
+    assert isinstance(answer, httpx.Response), answer
+    problem = assert_problem(answer, 503, "database_unavailable")
+    assert "hold on session 's-hold-lost' ended" in problem["detail"], problem
+    with a.client() as client:
+        run = ok(client.post("/v1/runs", json=body, headers=key))  # the same turn, resumed
+        assert run["status"] == "complete", run
+        messages = history(client, session)
+    (post,) = [c for c in tool_calls(messages) if c["name"] == "slow_post"]
+    assert_durability_error(result_of(messages, post["id"]), tool="slow_post", call_id=post["id"])
+    assert tool_server.count("slow_post") == 1
+
+
 def test_a_database_that_answers_late_costs_the_holder_no_session(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import asyncpg
@@ -72,6 +73,23 @@ def _resume(client: httpx.Client) -> None:
     assert resumed.json()["status"] == "complete"
 
 
+@contextmanager
+def _write_2_ended_while_waiting(
+    database_url: str, pg_admin: Callable[..., None], tool_server: ToolServer, *, also: str = ""
+) -> Iterator[SessionRowLock]:
+    """Write #2 waits on the session's row (another client holds it until the block ends);
+    its backend, and the ones `also` selects, are ended while it waits."""
+    database = make_url(database_url).database
+    with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
+        tool_server.release()
+        wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
+        pg_admin(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+            f" WHERE datname = '{database}' AND (wait_event_type = 'Lock'{also})"
+        )
+        yield row
+
+
 def _slow_post_result(client: httpx.Client) -> dict[str, Any]:
     """The session's one slow_post result, after a turn with one user message."""
     history = client.get(f"/v1/sessions/{TURN['session_id']}/messages").json()["data"]
@@ -114,21 +132,13 @@ def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goe
     agents_server: AgentsServer,
     tool_server: ToolServer,
 ) -> None:
-    database = make_url(database_url).database
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = _turn_in_flight(pool, client, tool_server)
-            # Write #2 waits on the session's row; its connection is ended while it waits.
             # The server still holds the session, so the stored state tells it the write did
             # not commit: it is sent again, and goes through once the row is free.
-            with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
-                tool_server.release()
-                wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
-                pg_admin(
-                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
-                    f" WHERE datname = '{database}' AND wait_event_type = 'Lock'"
-                )
+            with _write_2_ended_while_waiting(database_url, pg_admin, tool_server) as row:
                 wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
             done = in_flight.result(timeout=30)
             assert done.status_code == 200, done.text
@@ -148,7 +158,6 @@ def test_a_write_whose_connection_dies_with_the_sessions_hold_answers_503_and_re
     agents_server: AgentsServer,
     tool_server: ToolServer,
 ) -> None:
-    database = make_url(database_url).database
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
@@ -156,14 +165,10 @@ def test_a_write_whose_connection_dies_with_the_sessions_hold_answers_503_and_re
             # Write #2's connection and the lock connection end together (a restart of the
             # database, a failover): with the session no longer held, no stored state can say
             # whether the write committed (another runner may have written since).
-            with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
-                tool_server.release()
-                wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
-                pg_admin(
-                    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
-                    f" WHERE datname = '{database}' AND (wait_event_type = 'Lock'"
-                    " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory'))"
-                )
+            lock_connection = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
+            with _write_2_ended_while_waiting(
+                database_url, pg_admin, tool_server, also=lock_connection
+            ):
                 refused = in_flight.result(timeout=30)
             assert refused.status_code == 503, refused.text
             assert refused.json()["code"] == "database_unavailable"

@@ -3,7 +3,6 @@ instead of giving up and losing their results."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -11,15 +10,14 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import asyncpg
 import httpx
 import pytest
 
 from app.db.outages import POOL_BUSY_DETAIL
-from app.db.urls import asyncpg_dsn
 from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
+from tests.support.transactions import TableLock
 
 pytestmark = [
     pytest.mark.postgres,
@@ -27,46 +25,6 @@ pytestmark = [
 ]
 
 POOL_TIMEOUT_S = 10  # the engine's pool_timeout (app/db/session.py)
-
-
-class TableLock:
-    """An ACCESS EXCLUSIVE lock on `message`, held by another client until released: every
-    statement of the server that reads or writes messages waits, holding its connection."""
-
-    def __init__(self, database_url: str) -> None:
-        self._dsn = asyncpg_dsn(database_url)
-        self._loop = asyncio.new_event_loop()
-        self._conn: asyncpg.Connection | None = None
-
-    def take(self) -> None:
-        async def take() -> None:
-            self._conn = await asyncpg.connect(self._dsn)
-            await self._conn.execute("BEGIN; LOCK TABLE message IN ACCESS EXCLUSIVE MODE")
-
-        self._loop.run_until_complete(take())
-
-    def waiting(self) -> int:
-        """How many other backends of this database wait for a lock."""
-
-        async def count() -> int:
-            assert self._conn is not None
-            sql = (
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
-            )
-            # Inside the lock's transaction: a fresh look at the activity, not the first one.
-            await self._conn.execute("SELECT pg_stat_clear_snapshot()")
-            return int(await self._conn.fetchval(sql))
-
-        return self._loop.run_until_complete(count())
-
-    def release(self) -> None:
-        async def release() -> None:
-            if self._conn is not None:
-                await self._conn.close()  # its transaction, and the lock, end with it
-
-        self._loop.run_until_complete(release())
-        self._loop.close()
 
 
 def _in_thread(post: Callable[[], httpx.Response]) -> tuple[threading.Thread, list[httpx.Response]]:

@@ -31,6 +31,7 @@ from tests.ownership.helpers import (
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.polling import wait_for
 from tests.support.tool_server import ToolServer
+from tests.support.transactions import TableLock
 
 pytestmark = [pytest.mark.crash, POSTGRES_ONLY]
 
@@ -188,6 +189,34 @@ def test_a_holder_whose_lock_connection_ended_with_no_taker_answers_503_and_resu
     (post,) = [c for c in tool_calls(messages) if c["name"] == "slow_post"]
     assert_durability_error(result_of(messages, post["id"]), tool="slow_post", call_id=post["id"])
     assert tool_server.count("slow_post") == 1
+
+
+def test_a_hold_that_ended_before_the_turns_start_record_answers_503(
+    servers: Servers, database_url: str
+) -> None:
+    """The lock connection ends between the turn taking the session and its start record:
+    no run of the turn exists, nobody holds the session, and the answer said another runner
+    had taken it over (409 naming the session's previous run, or none)."""
+    a = servers.new("a")
+    servers.start_all(a)
+    body = run_body("echo", "hello", "s-hold-lost-early")
+    with a.client() as client:
+        first = ok(client.post("/v1/runs", json=body))
+        # The turn's read of the history, after it took the session, waits for the table.
+        lock = TableLock(database_url)
+        lock.take()
+        try:
+            second = Background(a.url, body)
+            wait_for(lambda: lock.waiting() > 0, timeout=15, what="the history read waiting")
+            assert drop_lock_connections(database_url) == 1
+        finally:
+            lock.release()
+        answer = second.join(15)
+        assert isinstance(answer, httpx.Response), answer
+        problem = assert_problem(answer, 503, "database_unavailable")
+        assert "hold on session 's-hold-lost-early' ended" in problem["detail"], problem
+        again = ok(client.post("/v1/runs", json=body))  # resubmitted: it runs
+        assert again["status"] == "complete" and again["run_id"] != first["run_id"]
 
 
 def test_a_database_that_answers_late_costs_the_holder_no_session(

@@ -1,5 +1,6 @@
 """Looking into a transaction while it is open: a failpoint that raises instead of ending the
-process, whether a write's rows were sent uncommitted, and a session row held locked."""
+process, whether a write's rows were sent uncommitted, and a session row or the message table
+held locked."""
 
 from __future__ import annotations
 
@@ -119,3 +120,43 @@ class SessionRowLock:
         self._release.set()
         self._thread.join(15)
         assert not self._thread.is_alive(), "the row lock was not given back"
+
+
+class TableLock:
+    """An ACCESS EXCLUSIVE lock on `message`, held by another client until released: every
+    statement of the server that reads or writes messages waits, holding its connection."""
+
+    def __init__(self, database_url: str) -> None:
+        self._dsn = asyncpg_dsn(database_url)
+        self._loop = asyncio.new_event_loop()
+        self._conn: asyncpg.Connection | None = None
+
+    def take(self) -> None:
+        async def take() -> None:
+            self._conn = await asyncpg.connect(self._dsn)
+            await self._conn.execute("BEGIN; LOCK TABLE message IN ACCESS EXCLUSIVE MODE")
+
+        self._loop.run_until_complete(take())
+
+    def waiting(self) -> int:
+        """How many other backends of this database wait for a lock."""
+
+        async def count() -> int:
+            assert self._conn is not None
+            sql = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            # Inside the lock's transaction: a fresh look at the activity, not the first one.
+            await self._conn.execute("SELECT pg_stat_clear_snapshot()")
+            return int(await self._conn.fetchval(sql))
+
+        return self._loop.run_until_complete(count())
+
+    def release(self) -> None:
+        async def release() -> None:
+            if self._conn is not None:
+                await self._conn.close()  # its transaction, and the lock, end with it
+
+        self._loop.run_until_complete(release())
+        self._loop.close()

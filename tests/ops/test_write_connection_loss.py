@@ -100,6 +100,23 @@ def _slow_post_result(client: httpx.Client) -> dict[str, Any]:
     return result
 
 
+def _kept_its_result(done: httpx.Response, client: httpx.Client, tool_server: ToolServer) -> None:
+    """The turn completed, its slow_post ran once, and the tool's own answer is stored."""
+    assert done.status_code == 200, done.text
+    assert done.json()["status"] == "complete"
+    result = _slow_post_result(client)
+    assert tool_server.count("slow_post") == 1
+    assert not result["is_error"]
+    assert "kind" not in json.loads(result["content"])
+
+
+def _refused_then_resumed(refused: httpx.Response, client: httpx.Client) -> None:
+    """The turn was answered 503 `database_unavailable`; resubmitted, it completes."""
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["code"] == "database_unavailable"
+    _resume(client)
+
+
 def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_results(
     database_url: str, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
@@ -115,13 +132,7 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
             in_flight = _turn_in_flight(pool, client, tool_server)
             assert _terminate_pooled_connections(database_url) >= 2
             tool_server.release()  # write #2 checks out a connection the server has ended
-            done = in_flight.result(timeout=30)
-            assert done.status_code == 200, done.text
-            assert done.json()["status"] == "complete"
-            result = _slow_post_result(client)
-        assert tool_server.count("slow_post") == 1
-        assert not result["is_error"]
-        assert "kind" not in json.loads(result["content"])  # the tool's own answer
+            _kept_its_result(in_flight.result(timeout=30), client, tool_server)
     finally:
         server.kill()
 
@@ -140,13 +151,7 @@ def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goe
             # not commit: it is sent again, and goes through once the row is free.
             with _write_2_ended_while_waiting(database_url, pg_admin, tool_server) as row:
                 wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
-            done = in_flight.result(timeout=30)
-            assert done.status_code == 200, done.text
-            assert done.json()["status"] == "complete"
-            result = _slow_post_result(client)
-        assert tool_server.count("slow_post") == 1
-        assert not result["is_error"]
-        assert "kind" not in json.loads(result["content"])  # the tool's own answer
+            _kept_its_result(in_flight.result(timeout=30), client, tool_server)
         assert "had not committed: sent again" in server.logs()
     finally:
         server.kill()
@@ -170,10 +175,7 @@ def test_a_write_whose_connection_dies_with_the_sessions_hold_answers_503_and_re
                 database_url, pg_admin, tool_server, also=lock_connection
             ):
                 refused = in_flight.result(timeout=30)
-            assert refused.status_code == 503, refused.text
-            assert refused.json()["code"] == "database_unavailable"
-
-            _resume(client)
+            _refused_then_resumed(refused, client)  # the row is free again
             result = _slow_post_result(client)
         assert tool_server.count("slow_post") == 1
         assert json.loads(result["content"])["kind"] == "tool-durability-error"
@@ -202,11 +204,8 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
             assert client.get("/v1/sessions").status_code == 503
             tool_server.release()
             refused = in_flight.result(timeout=30)
-            assert refused.status_code == 503, refused.text
-            assert refused.json()["code"] == "database_unavailable"
-
             pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
-            _resume(client)
+            _refused_then_resumed(refused, client)
         assert tool_server.count("slow_post") == 1
     finally:
         server.kill()

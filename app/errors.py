@@ -168,6 +168,19 @@ class DatabaseUnavailable(Unavailable):
     title = "Database unavailable"
 
 
+class SessionHoldLost(DatabaseUnavailable):
+    """This runner's hold on the session ended with its connection to the database, and no
+    other runner took the session (where one did: SessionConflict)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"This replica's hold on session {session_id!r} ended with its connection to the"
+            " database, so it stopped without writing or dispatching anything further (a tool"
+            " call already under way may still finish). Resubmit the same session_id (and"
+            " Idempotency-Key) to resume the turn."
+        )
+
+
 class SchemaOutOfDate(Unavailable):
     """/readyz: the database's schema is not the newest migration this code knows (it is
     behind, or a newer build's)."""

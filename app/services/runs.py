@@ -26,13 +26,13 @@ from app.db.repositories import (
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, Usage
 from app.errors import (
-    DatabaseUnavailable,
     IdempotencyKeyReused,
     MemoryStoreNotDurable,
     RunNotFound,
     SessionAgentMismatch,
     SessionBusy,
     SessionConflict,
+    SessionHoldLost,
     ValidationFailed,
 )
 from app.failpoints import Failpoints
@@ -45,12 +45,6 @@ from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
-
-_HOLD_LOST = (
-    "This replica's hold on session {!r} ended with its connection to the database, so it"
-    " stopped without writing or dispatching anything further (a tool call already under way"
-    " may still finish). Resubmit the same session_id (and Idempotency-Key) to resume the turn."
-)
 
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
@@ -145,7 +139,7 @@ class RunService:
                     return await _answer(await self._run_owned(turn, body), stack)
         except SessionConflict as lost:
             if await self._hold_ended_untaken(turn):
-                raise DatabaseUnavailable(_HOLD_LOST.format(body.session_id)) from lost
+                raise SessionHoldLost(body.session_id) from lost
             # Another runner took the session over: name its run.
             raise SessionConflict(body.session_id, await self._active_run(lost, turn)) from lost
 

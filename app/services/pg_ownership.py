@@ -22,9 +22,9 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Collection
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import asyncpg
 
@@ -34,6 +34,12 @@ from app.errors import SessionBusy, SessionConflict
 from app.services.ownership import ActiveRuns
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a lock statement whose deadline has passed is still given, from when the event loop
+# runs again, before the lock connection is dropped (see `_answered_within`).
+LAST_LOOK_S = 0.1
 
 # A pg_locks row `l` that is a session lock: a granted advisory lock on a bigint key, which
 # pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1 (`_key_parts`).
@@ -65,6 +71,26 @@ HELD_AMONG_SQL = f"""
 def lock_key(session_id: str) -> int:
     """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
     return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
+
+
+async def _answered_within(statement: Awaitable[T], timeout_s: float) -> T:
+    """The statement's result, or TimeoutError if it has none `timeout_s` after it was asked for.
+
+    Timed here, not by asyncpg, so that a deadline that passed while the event loop was held
+    up (a tool that blocks it) gets one last look once the loop runs again: the deadline's
+    timer can fire before the loop reads the answer that came meanwhile, or before it sends
+    the statement's second round trip (asyncpg prepares a statement on its first use).
+    """
+    task = asyncio.ensure_future(statement)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            done, _ = await asyncio.wait({task}, timeout=LAST_LOOK_S)
+    finally:
+        task.cancel()  # no-op once done; otherwise timed out, or the caller was cancelled
+    if not done:
+        raise TimeoutError
+    return task.result()
 
 
 def _key_parts(key: int) -> tuple[int, int]:
@@ -192,7 +218,7 @@ class PostgresOwnership:
                 # As of sending: an answer that waited (this process stopped, its loop held
                 # up) says the connection was alive then, not when it is read.
                 sent = time.monotonic()
-                await conn.fetchval("SELECT 1", timeout=self._statement_timeout_s)
+                await _answered_within(conn.fetchval("SELECT 1"), self._statement_timeout_s)
             self._last_beat = sent
         except ConnectionError:
             raise
@@ -241,7 +267,7 @@ class PostgresOwnership:
             conn = await self._connection()
             fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
             try:
-                return await fetch(sql, *args, timeout=self._statement_timeout_s)
+                return await _answered_within(fetch(sql, *args), self._statement_timeout_s)
             except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
                 # Unanswered, it would hold `_io`, and with it the heartbeat that would have
                 # noticed: every request of the process would wait on the connection forever.

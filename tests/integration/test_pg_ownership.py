@@ -151,3 +151,20 @@ async def test_a_heartbeat_counts_from_when_it_was_sent(
     before = time.monotonic()
     await ownership._heartbeat()
     assert ownership._last_beat - before < 0.25
+
+
+async def test_a_deadline_that_passed_while_the_event_loop_was_held_up_costs_no_session(
+    ownership: PostgresOwnership, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tool that blocks the event loop for longer than a lock statement may take, while the
+    # statement is in flight: its answer came meanwhile, or its second round trip (a statement
+    # is prepared on its first use) goes out only when the loop runs again. Timed by the
+    # loop's clock, the deadline fired first: the lock connection was dropped, and with it
+    # every session of the replica.
+    async with ownership.hold("s-held"):
+        asking = asyncio.create_task(ownership.is_held("s-other"))  # first use: prepared
+        await asyncio.sleep(0)  # the statement is sent
+        time.sleep(0.6 * TAKEOVER_AFTER_S)  # noqa: ASYNC251 - the loop held up past the deadline
+        assert await asking is False
+        await ownership.check("s-held")  # still its own
+    assert "ownership connection lost" not in caplog.text

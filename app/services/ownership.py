@@ -101,8 +101,15 @@ class Ownership(Protocol):
         that carry it can be prepared once."""
         ...
 
+    @property
+    def row_fence_sql(self) -> str:
+        """`fence_sql` for a statement that updates or locks the session's row, which it
+        names `session`: asked again of the row's newest version when the statement waited
+        for another writer of the row (who may have taken the session meanwhile)."""
+        ...
+
     def fence_params(self, session_id: str) -> dict[str, Any]:
-        """The bind parameters of `fence_sql` for a session."""
+        """The bind parameters of `fence_sql` and `row_fence_sql` for a session."""
         ...
 
     async def check(self, session_id: str) -> None:
@@ -182,6 +189,10 @@ class LocalOwnership:
 
     @property
     def fence_sql(self) -> str:
+        return "1 = 1"
+
+    @property
+    def row_fence_sql(self) -> str:
         return "1 = 1"
 
     def fence_params(self, session_id: str) -> dict[str, Any]:

@@ -10,9 +10,10 @@ partition) keeps its socket open, so the lock connection also sends a heartbeat 
 takes the session.
 
 Fencing: `fence_sql` is "this process's lock connection still holds this session's lock" (a
-`pg_locks` lookup). Before each tool dispatch `check` makes sure the lock connection is alive
-and answered a heartbeat recently, beating at once when the last one is late, so a runner
-resumed after a takeover dispatches nothing.
+`pg_locks` lookup; `row_fence_sql` asks it again after a wait for the session's row). Before
+each tool dispatch `check` makes sure the lock connection is alive and answered a heartbeat
+recently, beating at once when the last one is late, so a runner resumed after a takeover
+dispatches nothing.
 """
 
 from __future__ import annotations
@@ -47,10 +48,17 @@ _SESSION_LOCK = "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
 
 # True while the backend `fence_pid` (this process's lock connection, on this database) holds
 # the session lock whose key parts are (fence_hi, fence_lo).
-PG_FENCE_SQL = (
-    f"EXISTS (SELECT 1 FROM pg_locks l WHERE {_SESSION_LOCK}"
-    " AND l.pid = :fence_pid AND l.classid = :fence_hi AND l.objid = :fence_lo)"
+_FENCE_LOCK = (
+    f"SELECT 1 FROM pg_locks l WHERE {_SESSION_LOCK}"
+    " AND l.pid = :fence_pid AND l.classid = :fence_hi AND l.objid = :fence_lo"
 )
+# PostgreSQL evaluates this once, when the statement starts.
+PG_FENCE_SQL = f"EXISTS ({_FENCE_LOCK})"
+# For a statement on the session's row (`session`): correlated with the row, and kept a
+# subplan by OFFSET 0 (not joined), so that it is evaluated for the row's newest version when
+# the statement had to wait for another writer of the row. Uncorrelated, its value from the
+# statement's start would stand, though the lock was lost during the wait.
+PG_ROW_FENCE_SQL = f"EXISTS ({_FENCE_LOCK} AND session.id IS NOT NULL OFFSET 0)"
 
 # A session lock held by any runner of this database. Advisory locks are per database: another
 # database's on the same server with the same key are another deployment's sessions.
@@ -152,6 +160,10 @@ class PostgresOwnership:
     @property
     def fence_sql(self) -> str:
         return PG_FENCE_SQL
+
+    @property
+    def row_fence_sql(self) -> str:
+        return PG_ROW_FENCE_SQL
 
     def fence_params(self, session_id: str) -> dict[str, Any]:
         hi, lo = _key_parts(lock_key(session_id))

@@ -91,7 +91,7 @@ class RunService:
     metrics: Metrics
 
     def __post_init__(self) -> None:
-        self.store = journal_store(self.db, self.ownership.fence_sql)
+        self.store = journal_store(self.db, self.ownership.fence_sql, self.ownership.row_fence_sql)
 
     async def create(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None

@@ -136,7 +136,7 @@ class SessionService:
                 delete = partial(
                     delete_session,
                     session_id=session_id,
-                    fence_sql=self.ownership.fence_sql,
+                    row_fence_sql=self.ownership.row_fence_sql,
                     fence=self.ownership.fence_params(session_id),
                 )
                 await self.db.writes.transact(delete)

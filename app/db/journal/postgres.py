@@ -97,6 +97,7 @@ class PostgresJournalStore:
 
     engine: AsyncEngine
     fence_sql: str
+    row_fence_sql: str
     observers: list[Callable[[int], None]] = field(default_factory=list)
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
     _state: _Statement = field(init=False)
@@ -255,7 +256,9 @@ class PostgresJournalStore:
                 raise unavailable(exc) from exc
 
     def _sql(self, shape: _Shape) -> str:
-        claim = claim_sql(self.fence_sql, create=shape.create, touch=shape.touch, types=True)
+        claim = claim_sql(
+            self.fence_sql, self.row_fence_sql, create=shape.create, touch=shape.touch, types=True
+        )
         ctes = [f"claim AS ({claim} RETURNING key)"]
         if shape.messages:
             columns = ", ".join(MESSAGE_COLUMNS)

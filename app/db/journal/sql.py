@@ -63,10 +63,11 @@ JSON_COLUMNS = frozenset(
 )
 
 
-def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
+def claim_sql(fence_sql: str, row_fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
-    from `:expected` to `:new_count` — only while the fence holds. `types` casts the
-    parameters of a created session to their column types."""
+    from `:expected` to `:new_count` — only while the fence holds (on the row: see
+    `Ownership.row_fence_sql`). `types` casts the parameters of a created session to their
+    column types."""
     if create:
         values = ", ".join(
             f"CAST(:s_{c} AS {t})" if types else f":s_{c}" for c, t in SESSION_COLUMNS.items()
@@ -76,7 +77,7 @@ def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
         )
     return (
         f"UPDATE session SET message_count = :new_count{', updated_at = :now' if touch else ''}"
-        f" WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
+        f" WHERE id = :session_id AND message_count = :expected AND {row_fence_sql}"
     )
 
 

@@ -4,22 +4,15 @@ what conflicts, and what a failed write leaves."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from functools import partial
 
 import asyncpg
 import pytest
-from sqlalchemy import Connection
 
-from app.db.repositories import delete_session
 from app.db.session import Database
-from app.db.urls import asyncpg_dsn
 from app.domain import Message, Role, RunStatus, Usage
 from app.errors import SessionConflict
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd
-from app.services.pg_ownership import PostgresOwnership
 from tests.integration.journal.support import (
     CALLS,
     SESSION,
@@ -337,84 +330,3 @@ async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
     assert stored.session is not None and stored.session.message_count == 2
-
-
-@asynccontextmanager
-async def two_runners(
-    database_url: str,
-) -> AsyncIterator[tuple[PostgresOwnership, PostgresOwnership, Callable[[], Awaitable[None]]]]:
-    """Runners A and B on one database, and `lose_a()`, which ends A's lock connection (as
-    another replica ends a stalled holder's), and with it A's locks."""
-    a, b = (PostgresOwnership(database_url, heartbeat_s=0.5, takeover_after_s=3) for _ in range(2))
-    await a.start()
-    await b.start()
-    admin = await asyncpg.connect(asyncpg_dsn(database_url))
-
-    async def lose_a() -> None:
-        pid = a.fence_params(SESSION)["fence_pid"]
-        # With a timeout, pg_terminate_backend waits for the backend (and its lock) to go.
-        assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
-
-    try:
-        yield a, b, lose_a
-    finally:
-        await admin.close()
-        await a.stop()
-        await b.stop()
-
-
-def fenced_delete(owner: PostgresOwnership) -> Callable[[Connection], None]:
-    """The session's delete as `owner` sends it, fenced by its lock."""
-    return partial(
-        delete_session,
-        session_id=SESSION,
-        fence_sql=owner.fence_sql,
-        fence=owner.fence_params(SESSION),
-    )
-
-
-@pytest.mark.parametrize(
-    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
-async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
-    db: Database, metrics: Metrics, database_url: str
-) -> None:
-    # A's lock connection dies (as when another replica ends a stalled holder) and B takes
-    # the session; A's next write must fail though the message count it expects still holds.
-    async with two_runners(database_url) as (a, b, lose_a):
-        journal = journal_on(db, metrics, ownership=a)
-        async with a.hold(SESSION):
-            turn = await start(journal, "buy it")
-            await lose_a()
-            async with b.hold(SESSION):
-                with pytest.raises(SessionConflict):
-                    await journal.record_step(turn, Message.assistant("on it", CALLS))
-    stored = await read(db, turn.run_id)
-    assert stored.history == []
-    assert stored.session is not None and stored.session.message_count == 0
-
-
-@pytest.mark.parametrize(
-    "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
-)
-async def test_a_delete_is_fenced_by_this_runners_lock(
-    db: Database, metrics: Metrics, database_url: str
-) -> None:
-    # A holds the session to delete it; its lock connection dies and B takes the session
-    # (B's turn may already have run a tool). A's delete must delete nothing: it once
-    # deleted B's committed write #1 under it, and B's keyed retry then ran its tools again.
-    async with two_runners(database_url) as (a, b, lose_a):
-        journal = journal_on(db, metrics, ownership=b)
-        async with a.hold(SESSION):
-            await lose_a()
-            async with b.hold(SESSION):
-                turn = await start(journal, "buy it")
-                await journal.record_step(turn, Message.assistant("on it", CALLS))
-                with pytest.raises(SessionConflict):
-                    await db.writes.transact(fenced_delete(a))
-        stored = await read(db, turn.run_id)
-        assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
-        async with b.hold(SESSION):  # its owner's delete goes through
-            await db.writes.transact(fenced_delete(b))
-    stored = await read(db, turn.run_id)
-    assert stored.session is None and stored.history == [] and stored.runs == {}

@@ -76,7 +76,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, but the first SIGTERM/SIGINT also tells the app to refuse new runs.
 
     uvicorn then stops listening, waits up to `timeout_graceful_shutdown` for requests in
-    flight (runs finishing), and cancels what is left: a cancelled run is resumable exactly as
+    flight (runs finishing), and cancels what is left: a cancelled run finishes the tool-call
+    step it is in (AgentRunner._step; the lifespan waits for it) and is resumable exactly as
     after a crash, because every step it finished is already committed.
     """
 

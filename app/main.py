@@ -85,6 +85,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             resources.push_async_callback(ownership.stop)  # copes with a start cut short
             await ownership.start()
             runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
+            resources.push_async_callback(runner.settle)  # first: steps use the rest
             app.state.services = Services(
                 registry=registry,
                 runs=RunService(db, registry, runner, failpoints, ownership, metrics),

@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     session_takeover_after_s: float = Field(default=3.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["json", "text"] = "json"
-    # On SIGTERM: stop taking runs, give runs in progress this long to finish, then exit.
+    # On SIGTERM: stop taking runs, give runs in progress this long to finish, then stop them
+    # (a tool-call step in flight finishes first) and exit.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     # A tool result longer than this (bytes of its JSON text) is kept truncated.
     tool_result_max_bytes: int = Field(default=DEFAULT_MAX_RESULT_BYTES, ge=1024)

@@ -109,6 +109,13 @@ class AgentRunner:
         self._llm = llm
         self._registry = registry
         self._metrics = metrics
+        self._steps: set[asyncio.Task[list[Message]]] = set()  # in flight (see `_step`)
+
+    async def settle(self) -> None:
+        """Wait for the steps in flight, which turns cut off by shutdown finish first: before
+        the database and the tools' clients they use are closed."""
+        while self._steps:
+            await asyncio.wait(set(self._steps))
 
     async def repair(
         self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
@@ -253,16 +260,43 @@ class AgentRunner:
         response: ModelResponse,
         messages: list[Message],
     ) -> None:
-        """One tool-call step: write #1, every handler, write #2."""
+        """One tool-call step: write #1, every handler, write #2.
+
+        Once begun, a step is finished even if its turn is cancelled (by shutdown, at the end
+        of its grace), and the turn stops after it. Cut off, a call in flight would lose its
+        result (§2's error on resume, though it may have taken effect), and after write #1
+        the calls not yet made would too (they are told from made ones only by write #2)."""
+        step = asyncio.create_task(self._step_writes(turn, journal, agent, assistant, response))
+        self._steps.add(step)
+        step.add_done_callback(self._steps.discard)
+        try:
+            await asyncio.shield(step)
+        except asyncio.CancelledError:
+            if not step.done():
+                log.info("turn cut off: finishing its step first", extra={"run_id": turn.run_id})
+                await asyncio.wait({step})
+            if not step.cancelled():
+                step.exception()  # seen: the cancellation is what the turn ends with
+            raise
+        messages.extend(step.result())
+
+    async def _step_writes(
+        self,
+        turn: Turn,
+        journal: Journal,
+        agent: AgentConfig,
+        assistant: Message,
+        response: ModelResponse,
+    ) -> list[Message]:
+        """The step's messages, stored: the assistant's, then its calls' results."""
         await journal.record_step(turn, assistant)
-        messages.append(assistant)
         turn.messages.append(assistant)
         results = [
             Message.tool(r) for r in await self._dispatch(turn, journal, agent, response.tool_calls)
         ]
         await journal.record_results(turn, results)
-        messages.extend(results)
         turn.messages.extend(results)
+        return [assistant, *results]
 
     async def _finish(
         self, turn: Turn, journal: Journal, final: Message | None, end: RunEnd

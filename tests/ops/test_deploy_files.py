@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -21,6 +22,7 @@ import jsonschema
 import pytest
 from sqlalchemy.engine import make_url
 
+from app.settings import Settings
 from tests.conftest import _pg_admin
 from tests.ops.deployfiles import (
     COMPOSE_SCHEMA,
@@ -125,6 +127,19 @@ def test_app_service_waits_for_a_healthy_db_and_gets_its_settings() -> None:
         "sk-from-host"
     )
     assert env["ANTHROPIC_API_KEY"] == ""
+
+
+def test_compose_gives_the_app_longer_than_its_shutdown_grace_to_stop() -> None:
+    app = load_compose()["services"]["app"]
+    grace_s = float(
+        environment(app, {}).get(
+            "SHUTDOWN_GRACE_S", Settings.model_fields["shutdown_grace_s"].default
+        )
+    )
+    match = re.fullmatch(r"(\d+)s", app["stop_grace_period"])
+    assert match is not None, app["stop_grace_period"]
+    # Beyond the grace: a step in flight when it ends finishes its calls before the exit.
+    assert int(match.group(1)) >= grace_s + 10
 
 
 def test_dockerfile_is_multi_stage_non_root_with_healthcheck_and_serve_command() -> None:

@@ -1,6 +1,7 @@
 """SIGTERM: no new runs; runs in progress get SHUTDOWN_GRACE_S to finish; then the process exits.
 
-What the grace period cuts off is resumable exactly as after a crash.
+What the grace period cuts off is resumable exactly as after a crash, with no call's result
+lost: a tool-call step in flight finishes first.
 """
 
 from __future__ import annotations
@@ -99,42 +100,11 @@ def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
         server.kill()
 
 
-def test_sigterm_cuts_off_a_run_after_the_grace_period_and_it_resumes_as_after_a_crash(
-    database_url: str,
-    tmp_path: Path,
-    fake_model: FakeAnthropic,
-    tool_server: ToolServer,
-) -> None:
-    agents = write_agents_file(tmp_path, tool_server.url)
-    turn = {**SLOW_TURN, "session_id": "cut-off"}
-    key = {"Idempotency-Key": "turn-1"}
-    first = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "first.log",
-        agents_file=agents,
-        model_url=fake_model.url,
-        env={"SHUTDOWN_GRACE_S": "1.5"},
-    ).start()
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            cut_off = _start_slow_run(pool, first, tool_server, turn, key)
-            sent = _sigterm(first)
-            assert first.process is not None
-            first.process.wait(timeout=10)
-            took = time.monotonic() - sent
-            # The whole grace, fraction included (it was cut to whole seconds).
-            assert 1.5 <= took < 5.5, f"the process took {took:.1f}s with SHUTDOWN_GRACE_S=1.5"
-            # The client is told, as a problem, that the run was cut off and how to resume it.
-            answer = cut_off.result(timeout=10)
-            assert answer.status_code == 503, answer.text
-            assert answer.headers["content-type"].startswith("application/problem+json")
-            assert answer.json()["code"] == "shutting_down"
-            assert "resume" in answer.json()["detail"]
-            assert answer.headers["retry-after"]
-    finally:
-        first.kill()
-        tool_server.release()  # the held handler answers nobody now
-
+def _resumed(
+    database_url: str, tmp_path: Path, agents: Path, fake_model: FakeAnthropic, turn: dict[str, str]
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """Resubmit the keyed turn on a new server: the session's status before, and its history
+    after the resumed turn completed."""
     with (
         ServerProcess(
             database_url=database_url,
@@ -146,18 +116,101 @@ def test_sigterm_cuts_off_a_run_after_the_grace_period_and_it_resumes_as_after_a
     ):
         session = client.get(f"/v1/sessions/{turn['session_id']}")
         assert session.status_code == 200, session.text
-        assert session.json()["status"] == "needs_resume"
-
-        resumed = client.post("/v1/runs", json=turn, headers=key)
+        resumed = client.post("/v1/runs", json=turn, headers={"Idempotency-Key": "turn-1"})
         assert resumed.status_code == 200, resumed.text
         assert resumed.json()["status"] == "complete", resumed.json()
-
         messages = client.get(f"/v1/sessions/{turn['session_id']}/messages").json()["data"]
-    assert tool_server.count("slow_post") == 1
-    results = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
-    assert len(results) == 1
-    assert json.loads(results[0]["content"])["kind"] == "tool-durability-error"
     assert sum(1 for m in messages if m["role"] == "user") == 1
+    return session.json(), messages
+
+
+def _assert_cut_off(answer: httpx.Response) -> None:
+    """The client is told, as a problem, that the run was cut off and how to resume it."""
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["content-type"].startswith("application/problem+json")
+    assert answer.json()["code"] == "shutting_down"
+    assert "resume" in answer.json()["detail"]
+    assert answer.headers["retry-after"]
+
+
+def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_stops_the_run(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    # The grace ends while a side-effecting call runs. Cut off there, its result was lost:
+    # the resumed turn got §2's durability error for a post that had been made. Now the
+    # step finishes (its calls, then write #2) and the run stops after it, nothing lost.
+    agents = write_agents_file(tmp_path, tool_server.url)
+    turn = {**SLOW_TURN, "session_id": "cut-off"}
+    first = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "first.log",
+        agents_file=agents,
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": "1.5"},
+    ).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
+            _sigterm(first)
+            assert first.process is not None
+            time.sleep(3.5)  # the grace is over: the step's call still runs, and holds the exit
+            assert first.process.poll() is None, first.logs()
+            assert not cut_off.done()
+            tool_server.release()
+            _assert_cut_off(cut_off.result(timeout=10))
+            assert first.process.wait(timeout=10) == 0, first.logs()
+        assert "turn cut off: finishing its step first" in first.logs()
+    finally:
+        first.kill()
+        tool_server.release()
+
+    session, messages = _resumed(database_url, tmp_path, agents, fake_model, turn)
+    assert session["status"] == "idle"  # every call has its result
+    assert tool_server.count("slow_post") == 1
+    (result,) = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+    assert "tool-durability-error" not in str(result["content"])
+    assert not result["is_error"]
+
+
+def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    # A model call has no side effect: the grace's end stops the run there at once, and
+    # the resumed turn goes on from what was stored.
+    agents = write_agents_file(tmp_path, tool_server.url)
+    turn = {"agent": "echo", "message": "say it slowly", "session_id": "cut-in-model"}
+    first = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "first.log",
+        agents_file=agents,
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": "1.5"},
+    ).start()
+    fake_model.set_delay(30)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            cut_off = pool.submit(_post, first, turn, {"Idempotency-Key": "turn-1"})
+            wait_for(lambda: len(fake_model.requests) >= 1, timeout=20, what="the model call")
+            sent = _sigterm(first)
+            assert first.process is not None
+            first.process.wait(timeout=10)
+            took = time.monotonic() - sent
+            # The whole grace, fraction included (it was cut to whole seconds).
+            assert 1.5 <= took < 5.5, f"the process took {took:.1f}s with SHUTDOWN_GRACE_S=1.5"
+            _assert_cut_off(cut_off.result(timeout=10))
+    finally:
+        first.kill()
+        fake_model.set_delay(0)
+
+    session, messages = _resumed(database_url, tmp_path, agents, fake_model, turn)
+    assert session["status"] == "idle"
+    assert [m["role"] for m in messages] == ["user", "assistant"]
 
 
 def test_sigterm_answers_a_body_still_arriving_at_once(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -13,13 +15,21 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.outages import pg_read_only, saturated, unavailable
+from app.db.outages import (
+    PG_CONNECTION_ERRORS,
+    pg_read_only,
+    saturated,
+    sqlite_statement_error,
+    unavailable,
+)
 from app.errors import (
     AppError,
+    DatabaseUnavailable,
     HttpError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    SchemaOutOfDate,
     ShuttingDown,
     ValidationFailed,
 )
@@ -103,6 +113,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _is_outage(exc: Exception) -> bool:
+    if sqlite_statement_error(exc):
+        return False
     if isinstance(exc, DBAPIError):
         return (
             isinstance(exc, OperationalError | InterfaceError)
@@ -110,14 +122,21 @@ def _is_outage(exc: Exception) -> bool:
             or pg_read_only(exc)
             or saturated(exc)
         )
+    # The driver's own errors (the journal's writes use the drivers directly).
+    if isinstance(exc, asyncpg.PostgresError):
+        return isinstance(exc, PG_CONNECTION_ERRORS) or pg_read_only(exc) or saturated(exc)
+    if isinstance(exc, sqlite3.Error):
+        return isinstance(exc, sqlite3.OperationalError)
     if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
         return saturated(exc)  # out of file descriptors or memory on the way to the database
     return True  # pool timeouts and socket errors on the way to the database
 
 
-async def _database_error(_: Request, exc: Exception) -> JSONResponse:
-    if not _is_outage(exc):  # handled here, never raised again: log its traceback now
-        log.error("unhandled database error", exc_info=exc)
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    if not _is_outage(exc):
+        if (changed := await _schema_changed(request, exc)) is not None:
+            return problem_response(changed)
+        log.error("unhandled database error", exc_info=exc)  # never raised again: log it now
         return _internal_error()
     return problem_response(unavailable(exc))
 
@@ -127,6 +146,19 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     # with its traceback: one traceback per error, not two.
     log.error("unhandled error: %s", type(exc).__name__)
     return _internal_error()
+
+
+async def _schema_changed(request: Request, exc: Exception) -> SchemaOutOfDate | None:
+    """After a database error the code did not expect: the schema's state, if it is no longer
+    the code's (changed under a running replica, as /readyz then says), which explains it."""
+    try:
+        await request.app.state.services.health.readiness()
+    except SchemaOutOfDate as changed:
+        log.warning("database error (%s): %s", type(exc).__name__, changed.detail)
+        return changed
+    except Exception:  # the error being answered is the one to report
+        return None
+    return None
 
 
 def _internal_error() -> JSONResponse:
@@ -139,6 +171,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(DBAPIError, _database_error)
+    app.add_exception_handler(asyncpg.PostgresError, _database_error)
+    app.add_exception_handler(sqlite3.Error, _database_error)
     app.add_exception_handler(PoolTimeoutError, _database_error)
     app.add_exception_handler(OSError, _database_error)  # ConnectionError, TimeoutError, …
     app.add_exception_handler(Exception, _unexpected)
@@ -164,7 +198,10 @@ EVERY_ROUTE: tuple[type[AppError], ...] = (PayloadTooLarge, ShuttingDown, AppErr
 
 def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` documenting problem+json for the statuses of the route's errors
-    and of EVERY_ROUTE's, each response's description naming the `code`s it may carry."""
+    and of EVERY_ROUTE's, each response's description naming the `code`s it may carry. A
+    route that reads or writes the database may also meet a schema changed under it."""
+    if DatabaseUnavailable in errors:
+        errors = (*errors, SchemaOutOfDate)
     codes: dict[int, list[str]] = {}
     for error in (*errors, *EVERY_ROUTE):
         named = codes.setdefault(error.status, [])

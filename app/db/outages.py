@@ -101,6 +101,13 @@ def _local_limit(exc: BaseException) -> int | None:
     return None
 
 
+def sqlite_statement_error(exc: BaseException) -> bool:
+    """A statement SQLite could not run as written (SQLITE_ERROR: no such table or column, …),
+    which its driver raises as an OperationalError, like an outage: a schema that is not the
+    code's, or a bug, never the database's state."""
+    return getattr(_driver_error(exc), "sqlite_errorname", None) == "SQLITE_ERROR"
+
+
 def _sqlite_unwritable(exc: BaseException) -> bool:
     name = getattr(_driver_error(exc), "sqlite_errorname", None)  # SQLITE_IOERR_WRITE, …
     return isinstance(name, str) and name.startswith(_SQLITE_UNWRITABLE)

@@ -15,7 +15,7 @@ from app.db.journal.sql import (
     run_update_sql,
 )
 from app.db.journal.write import JournalWrite
-from app.db.outages import unavailable
+from app.db.outages import sqlite_statement_error, unavailable
 from app.db.repositories import message_to_row
 from app.db.session import InlineTransactor
 from app.errors import SessionConflict
@@ -73,6 +73,8 @@ class SqliteJournalStore:
                 raise SessionConflict(write.session_id) from exc
             raise  # a bug (a NOT NULL, a CHECK), not a conflict
         except sqlite3.OperationalError as exc:  # locked for too long, disk full, I/O error
+            if sqlite_statement_error(exc):
+                raise  # no such table or column: a schema that is not the code's
             raise unavailable(exc) from exc
         for observer in self.observers:
             observer(statements)

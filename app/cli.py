@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 import sqlite3
+import sys
+import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -152,7 +154,11 @@ def _stop_as_ctrl_c() -> None:
     """SIGTERM and SIGHUP stop the bench as Ctrl-C does, which cleans up (its server, its
     PostgreSQL schema, its temp folder): whatever handles SIGINT then handles them (asyncio.run
     cancels its task), or KeyboardInterrupt where SIGINT is ignored (a background job). A
-    signal ignored already (SIGHUP under nohup) stays ignored."""
+    signal ignored already (SIGHUP under nohup) stays ignored.
+
+    A KeyboardInterrupt raised while Python runs a finaliser or a weakref callback (garbage
+    collection) is printed and dropped ("Exception ignored in …"), and the bench went on to
+    its end: the signal is then sent again, to land once the callback has returned."""
 
     def stop(_signum: int, frame: FrameType | None) -> None:
         handler = signal.getsignal(signal.SIGINT)
@@ -160,9 +166,18 @@ def _stop_as_ctrl_c() -> None:
             raise KeyboardInterrupt
         handler(signal.SIGINT, frame)
 
+    def unraisable(error: sys.UnraisableHookArgs) -> None:
+        if isinstance(error.exc_value, KeyboardInterrupt):
+            # Later, from another thread: raised in here, it would be dropped again.
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        else:
+            default(error)
+
     for name in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(name) is not signal.SIG_IGN:
             signal.signal(name, stop)
+    default = sys.unraisablehook
+    sys.unraisablehook = unraisable
 
 
 @main.command()

@@ -90,6 +90,9 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._lifecycle.draining:
             log.info("shutting down: no new runs; waiting for runs in progress")
+        else:
+            log.warning("second signal: stopping now, tool calls in flight and all")
+            self._lifecycle.force()
         self._lifecycle.drain()
         super().handle_exit(sig, frame)
         # uvicorn re-raises caught signals after shutting down; a drained exit is a clean one (0).

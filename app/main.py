@@ -85,10 +85,12 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             resources.push_async_callback(ownership.stop)  # copes with a start cut short
             await ownership.start()
             runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
-            resources.push_async_callback(runner.settle)  # first: steps use the rest
+            run_service = RunService(db, registry, runner, failpoints, ownership, metrics)
+            # First: the turns cut off use all the rest. A second signal stops the wait.
+            resources.push_async_callback(lifecycle.unless_forced, run_service.settle)
             app.state.services = Services(
                 registry=registry,
-                runs=RunService(db, registry, runner, failpoints, ownership, metrics),
+                runs=run_service,
                 sessions=SessionService(db, ownership, metrics),
                 health=HealthService(db, ownership, head_revision() if db.durable else None),
                 metrics=metrics,

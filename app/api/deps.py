@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -31,6 +31,8 @@ class Lifecycle:
     draining: bool = False
     # Requests waiting for more of their body (BodySizeLimit): shutdown cancels the wait.
     _uploads: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
+    # Set by a second signal: stop at once, steps in flight and all (`force`).
+    _forced: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def drain(self) -> None:
         """Shutdown begins. Called from a signal handler, on the event loop's thread: the
@@ -45,6 +47,25 @@ class Lifecycle:
     def _cut_uploads(self) -> None:
         for task in self._uploads:
             task.cancel()
+
+    def force(self) -> None:
+        """A second signal: shutdown no longer waits for the steps in flight (their calls'
+        results are then lost, as at a crash). From a signal handler, as `drain`."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon_threadsafe(self._forced.set)
+
+    async def unless_forced(self, wait: Callable[[], Awaitable[None]]) -> None:
+        """Wait for `wait()`, or until a second signal."""
+        waiting = asyncio.ensure_future(wait())
+        forced = asyncio.ensure_future(self._forced.wait())
+        try:
+            await asyncio.wait({waiting, forced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+            forced.cancel()
 
     def cancelled_by_shutdown(self) -> bool:
         """Called on a CancelledError: whether shutdown caused it (uvicorn's cancel at the end

@@ -34,6 +34,7 @@ from app.errors import ConfigError, SessionBusy
 class _Claim:
     run_id: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ActiveRuns:
@@ -75,10 +76,16 @@ class ActiveRuns:
         claim = self._claims.pop(session_id, None)
         if claim is not None:
             claim.settled.set()
+            claim.released.set()
 
     def holds(self, session_id: str) -> bool:
         """Whether this process is working on the session."""
         return session_id in self._claims
+
+    async def given_back(self) -> None:
+        """Wait until this process works on no session (at shutdown: a few milliseconds)."""
+        while self._claims:
+            await next(iter(self._claims.values())).released.wait()
 
 
 class Ownership(Protocol):

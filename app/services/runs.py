@@ -93,6 +93,13 @@ class RunService:
     def __post_init__(self) -> None:
         self.store = journal_store(self.db, self.ownership.fence_sql, self.ownership.row_fence_sql)
 
+    async def settle(self) -> None:
+        """At shutdown, before the database, the ownership and the tools' clients close: wait
+        for the turns cut off, which finish the tool-call step they are in (AgentRunner) and
+        then give their session back."""
+        await self.runner.settle()
+        await self.ownership.active.given_back()
+
     async def create(
         self, body: RunCreate, *, tenant_id: str | None, idempotency_key: str | None = None
     ) -> RunResult:

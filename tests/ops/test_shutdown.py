@@ -6,6 +6,7 @@ lost: a tool-call step in flight finishes first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -163,6 +164,8 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
             _assert_cut_off(cut_off.result(timeout=10))
             assert first.process.wait(timeout=10) == 0, first.logs()
         assert "turn cut off: finishing its step first" in first.logs()
+        # Its session given back before the lock connection closed, not lost with it.
+        assert "ownership connection lost" not in first.logs()
     finally:
         first.kill()
         tool_server.release()
@@ -173,6 +176,50 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
     (result,) = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
     assert "tool-durability-error" not in str(result["content"])
     assert not result["is_error"]
+
+
+def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    # The operator's way out of a step that takes long (the first SIGTERM waits for it): its
+    # call in flight is then cut off, as at a crash, and gets §2's error on resume.
+    agents = write_agents_file(tmp_path, tool_server.url)
+    turn = {**SLOW_TURN, "session_id": "forced"}
+    first = ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "first.log",
+        agents_file=agents,
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": "1"},
+    ).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
+            _sigterm(first)
+            assert first.process is not None
+            wait_for(
+                lambda: "finishing its step first" in first.logs(),
+                timeout=20,
+                what="the grace's end",
+            )
+            again = _sigterm(first)
+            first.process.wait(timeout=10)
+            assert time.monotonic() - again < 5
+            assert "second signal: stopping now" in first.logs()
+            with contextlib.suppress(httpx.TransportError):
+                cut_off.result(timeout=10)  # answered 503, or its connection closed
+    finally:
+        first.kill()
+        tool_server.release()  # the held handler answers nobody now
+
+    session, messages = _resumed(database_url, tmp_path, agents, fake_model, turn)
+    assert session["status"] == "needs_resume"
+    assert tool_server.count("slow_post") == 1
+    (result,) = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
+    assert "tool-durability-error" in str(result["content"])
 
 
 def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(

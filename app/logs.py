@@ -82,6 +82,18 @@ class TextFormatter(logging.Formatter):
         return _escaped(f"{line} {extras}" if extras else line)
 
 
+class GraceEndFilter(logging.Filter):
+    """uvicorn logs the end of the shutdown grace with turns still running ("Cancel N running
+    task(s), timeout graceful shutdown exceeded") as an ERROR. Here that is a planned stop
+    (each turn finishes its step and is resumable), so a WARNING: alerts on ERROR lines
+    would otherwise fire on a routine deploy."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Cancel %s running"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def configure_logging(level: str, fmt: str) -> None:
     """Configure the root logger once, for the CLI."""
     handler = logging.StreamHandler(sys.stderr)
@@ -104,6 +116,9 @@ def configure_logging(level: str, fmt: str) -> None:
     # uvicorn's access log is replaced by AccessLog below.
     for name in ("httpx", "httpx2", "uvicorn.access"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, GraceEndFilter) for f in uvicorn_errors.filters):
+        uvicorn_errors.addFilter(GraceEndFilter())
     # The anthropic SDK logs each request's options, messages included, at DEBUG: never
     # below INFO, so that no level logs what users wrote.
     logging.getLogger("anthropic").setLevel(max(root.level, logging.INFO))

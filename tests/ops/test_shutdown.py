@@ -166,6 +166,9 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
         assert "turn cut off: finishing its step first" in first.logs()
         # Its session given back before the lock connection closed, not lost with it.
         assert "ownership connection lost" not in first.logs()
+        # A planned stop: no ERROR line (uvicorn's "Cancel 1 running task(s)" is a WARNING).
+        assert '"level": "ERROR"' not in first.logs(), first.logs()
+        assert "Cancel 1 running task(s)" in first.logs()
     finally:
         first.kill()
         tool_server.release()

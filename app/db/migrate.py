@@ -17,6 +17,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.db.outages import read_again_if_disconnected
 from app.db.session import Database
 from app.db.urls import MEMORY_URL, check_database_url, sqlite_file
 from app.errors import ConfigError
@@ -107,6 +108,7 @@ class DatabaseState:
     read_only: bool  # PostgreSQL takes no writes now (a standby, default_transaction_read_only)
 
 
+@read_again_if_disconnected
 async def database_state(db: Database) -> DatabaseState:
     """The schema's revision and whether the database takes writes, read on one connection:
     raises whatever the driver raises when the database does not answer."""

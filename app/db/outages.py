@@ -4,15 +4,22 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
 
 import asyncpg
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from app.errors import DatabaseUnavailable
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # PostgreSQL errors that mean the connection, not the statement, failed (class 57 is the
 # server ending it: shutdown, terminated backend). When the server ends a connection between
@@ -41,6 +48,25 @@ REPLICA_EXHAUSTED_DETAIL = "This replica is out of file descriptors or memory; r
 _LOCAL_LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # SQLite's names for a file it cannot write (sqlite3.Error.sqlite_errorname's primary code).
 _SQLITE_UNWRITABLE = ("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN")
+
+
+def read_again_if_disconnected(read: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    """For a read, which changes nothing and so may run twice: once more if its connection
+    had been ended by the server while it sat in the pool, unseen by the driver (the pool's
+    check at checkout raced the server's goodbye; SQLAlchemy has then replaced the pool's
+    connections). Otherwise such a read answered 503 though the database was up."""
+
+    @functools.wraps(read)
+    async def again(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await read(*args, **kwargs)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            log.info("a pooled database connection had been ended: reading again")
+            return await read(*args, **kwargs)
+
+    return again
 
 
 def pg_read_only(exc: BaseException) -> bool:

@@ -77,8 +77,9 @@ def _pool_options(database_url: str, *, pool_size: int) -> dict[str, Any]:
         "max_overflow": pool_size,
         # No pre-ping: it costs a round trip per transaction, i.e. per durable write. A
         # connection the driver knows is closed is replaced at checkout (_configure_postgres);
-        # one that dies unnoticed fails its first use (503), and the pool then replaces every
-        # connection older than that failure.
+        # one that dies unnoticed fails its first use (a read is then read again:
+        # read_again_if_disconnected), and the pool then replaces every connection older
+        # than that failure.
         # Fail fast, never hang, when the database is gone (a connection is given 5 s): the
         # API answers 503.
         "pool_timeout": 10,

@@ -7,6 +7,7 @@ import time
 from datetime import datetime, timedelta
 
 from app.db import models
+from app.db.outages import read_again_if_disconnected
 from app.db.repositories import RunRepository
 from app.db.session import Database
 from app.errors import SessionAccessDenied, SessionBusy, SessionNotFound
@@ -31,6 +32,7 @@ def check_session_access(
         raise SessionAccessDenied(row.id)
 
 
+@read_again_if_disconnected
 async def active_run(
     db: Database, ownership: Ownership, busy: SessionBusy, session_id: str, *, since: datetime
 ) -> str | None:

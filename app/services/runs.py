@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app import logs
 from app.db import models
 from app.db.journal import journal_store
+from app.db.outages import read_again_if_disconnected
 from app.db.repositories import (
     MessageRepository,
     RunRepository,
@@ -174,6 +175,7 @@ class RunService:
         replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
         return RunResult(replay, replayed=True)
 
+    @read_again_if_disconnected
     async def _hold_ended_untaken(self, turn: Turn) -> bool:
         """Whether this replica lost the session with no other runner taking it: its hold
         ended with its connection to the database (a restart of it, a backend ended), not
@@ -243,6 +245,7 @@ class RunService:
         earlier = await self._precheck(turn, body)
         return None if earlier is None else await self._replay(earlier, turn)
 
+    @read_again_if_disconnected
     async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
         """May the caller use the session? The run an earlier request with this key started,
         if it will not run again (its record is the answer; see `_goes_on`)."""
@@ -282,6 +285,7 @@ class RunService:
             raise IdempotencyKeyReused(turn.idempotency_key)
         return run
 
+    @read_again_if_disconnected
     async def _load(self, turn: Turn, body: RunCreate) -> _Stored:
         """Check the caller may use the session; what it holds for this turn."""
         async with self.db.reads.begin() as session:
@@ -310,6 +314,7 @@ class RunService:
         turn.usage = Usage(earlier.input_tokens, earlier.output_tokens)
         turn.user_stored = any(m.run_id == earlier.id and m.role is Role.USER for m in history)
 
+    @read_again_if_disconnected
     async def get(
         self, run_id: str, *, tenant_id: str | None, user_id: str | None = None
     ) -> RunRead:

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
 from app.db.base import utcnow
+from app.db.outages import read_again_if_disconnected
 from app.db.repositories import (
     MessageRepository,
     RunRepository,
@@ -39,6 +40,7 @@ class SessionService:
     ownership: Ownership
     metrics: Metrics
 
+    @read_again_if_disconnected
     async def get(
         self, session_id: str, *, tenant_id: str | None, user_id: str | None
     ) -> SessionRead:
@@ -49,6 +51,7 @@ class SessionService:
         held = await self.ownership.is_held(session_id)
         return _session_read(row, _status(held=held, orphans=bool(orphaned)))
 
+    @read_again_if_disconnected
     async def list(
         self,
         *,
@@ -79,6 +82,7 @@ class SessionService:
         )
         return Page(data=page, next_after=cursor)
 
+    @read_again_if_disconnected
     async def messages(
         self,
         session_id: str,
@@ -98,6 +102,7 @@ class SessionService:
         data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
         return Page(data=data, next_after=next_after(rows, limit, lambda r: str(r.seq)))
 
+    @read_again_if_disconnected
     async def runs(
         self,
         session_id: str,

@@ -1,0 +1,75 @@
+"""PostgreSQL: a read whose pooled connection the server had ended, unseen by the driver
+(the backend's end racing the checkout), is read again on a new connection, not a 503."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from app.db.migrate import database_state
+from app.db.session import Database
+from app.db.urls import asyncpg_dsn
+from app.metrics import Metrics
+from app.services.ownership import LocalOwnership
+from app.services.sessions import SessionService
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.parametrize("backend", ["postgres"], indirect=True),
+]
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    database = await Database.connect(database_url, pool_size=2)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+async def _end_pooled_connections(database_url: str) -> int:
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        pids = await admin.fetch(
+            "SELECT pid FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        for row in pids:
+            # With a timeout, pg_terminate_backend waits for the backend to go.
+            await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", row["pid"])
+        return len(pids)
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("read", ["sessions list", "readiness"])
+async def test_a_read_on_a_pooled_connection_the_server_ended_unseen_is_read_again(
+    db: Database, database_url: str, monkeypatch: pytest.MonkeyPatch, read: str
+) -> None:
+    sessions = SessionService(db, LocalOwnership(), Metrics())
+
+    async def reads() -> object:
+        if read == "readiness":
+            return (await database_state(db)).revision
+        page = await sessions.list(tenant_id=None, agent=None, user_id=None, after=None, limit=5)
+        return len(page.data)
+
+    expected = await reads()  # and a connection now sits in the pool
+    assert await _end_pooled_connections(database_url) >= 1
+    # The race: the pool's check at checkout (is the driver's connection closed?) ran just
+    # before the driver read the server's goodbye.
+    staged: list[bool] = []
+    real = asyncpg.Connection.is_closed
+
+    def is_closed(self: asyncpg.Connection) -> bool:
+        if staged:
+            return bool(real(self))
+        staged.append(True)
+        return False
+
+    monkeypatch.setattr(asyncpg.Connection, "is_closed", is_closed)
+    assert await reads() == expected
+    assert staged  # the race was staged

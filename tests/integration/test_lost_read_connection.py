@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import asyncpg
 import pytest
 
@@ -19,15 +17,6 @@ pytestmark = [
     pytest.mark.postgres,
     pytest.mark.parametrize("backend", ["postgres"], indirect=True),
 ]
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await Database.connect(database_url, pool_size=2)
-    try:
-        yield database
-    finally:
-        await database.dispose()
 
 
 async def _end_pooled_connections(database_url: str) -> int:

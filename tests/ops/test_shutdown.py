@@ -125,6 +125,19 @@ def _resumed(
     return session.json(), messages
 
 
+def _first_server(
+    database_url: str, tmp_path: Path, agents: Path, fake_model: FakeAnthropic, *, grace_s: str
+) -> ServerProcess:
+    """The server a SIGTERM will stop, started, its SHUTDOWN_GRACE_S `grace_s`."""
+    return ServerProcess(
+        database_url=database_url,
+        log_path=tmp_path / "first.log",
+        agents_file=agents,
+        model_url=fake_model.url,
+        env={"SHUTDOWN_GRACE_S": grace_s},
+    ).start()
+
+
 def _assert_cut_off(answer: httpx.Response) -> None:
     """The client is told, as a problem, that the run was cut off and how to resume it."""
     assert answer.status_code == 503, answer.text
@@ -145,13 +158,7 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
     # step finishes (its calls, then write #2) and the run stops after it, nothing lost.
     agents = write_agents_file(tmp_path, tool_server.url)
     turn = {**SLOW_TURN, "session_id": "cut-off"}
-    first = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "first.log",
-        agents_file=agents,
-        model_url=fake_model.url,
-        env={"SHUTDOWN_GRACE_S": "1.5"},
-    ).start()
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="1.5")
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
@@ -191,13 +198,7 @@ def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
     # call in flight is then cut off, as at a crash, and gets §2's error on resume.
     agents = write_agents_file(tmp_path, tool_server.url)
     turn = {**SLOW_TURN, "session_id": "forced"}
-    first = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "first.log",
-        agents_file=agents,
-        model_url=fake_model.url,
-        env={"SHUTDOWN_GRACE_S": "1"},
-    ).start()
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="1")
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
@@ -235,13 +236,7 @@ def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(
     # the resumed turn goes on from what was stored.
     agents = write_agents_file(tmp_path, tool_server.url)
     turn = {"agent": "echo", "message": "say it slowly", "session_id": "cut-in-model"}
-    first = ServerProcess(
-        database_url=database_url,
-        log_path=tmp_path / "first.log",
-        agents_file=agents,
-        model_url=fake_model.url,
-        env={"SHUTDOWN_GRACE_S": "1.5"},
-    ).start()
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="1.5")
     fake_model.set_delay(30)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:

@@ -1,8 +1,6 @@
-"""The journal tests' fixtures: a database per test, metrics, and the journal on them."""
+"""The journal tests' fixtures: metrics, and the journal on the database (`db`, one per test)."""
 
 from __future__ import annotations
-
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -10,15 +8,6 @@ from app.db.session import Database
 from app.metrics import Metrics
 from app.services.journal import DurableJournal
 from tests.integration.journal.support import journal_on
-
-
-@pytest.fixture
-async def db(database_url: str) -> AsyncIterator[Database]:
-    database = await Database.connect(database_url, pool_size=5)
-    try:
-        yield database
-    finally:
-        await database.dispose()
 
 
 @pytest.fixture

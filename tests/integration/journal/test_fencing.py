@@ -4,9 +4,10 @@ though the message count it expects still holds."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import asyncpg
 import pytest
@@ -110,48 +111,34 @@ async def waiting_for_a_row(database_url: str) -> None:
         await conn.close()
 
 
-async def test_a_write_that_waited_for_the_sessions_row_is_fenced_again_after_the_wait(
-    db: Database, metrics: Metrics, database_url: str
+@pytest.mark.parametrize("statement", ["journal write", "delete"])
+async def test_a_statement_that_waited_for_the_sessions_row_is_fenced_again_after_the_wait(
+    db: Database, metrics: Metrics, database_url: str, statement: str
 ) -> None:
-    # A's write starts while A holds the session, then waits for the session's row, which
-    # another writer holds; meanwhile A's lock connection dies. After the wait the write
-    # must fail, though the message count it expects is unchanged. (The journal's statement,
-    # a CTE, had its fence evaluated again by luck of plan shape; now by design, as below.)
+    # A's statement starts while A holds the session, then waits for the session's row,
+    # which another writer holds; meanwhile A's lock connection dies. After the wait it
+    # must do nothing, though the message count a write expects is unchanged. The fence,
+    # evaluated once when the statement started, let the delete go through (the journal's
+    # write, a CTE, had its fence evaluated again, by luck of the plan's shape).
     async with two_runners(database_url) as (a, _, lose_a):
         journal = journal_on(db, metrics, ownership=a)
         async with a.hold(SESSION):
             turn = await start(journal, "buy it")
             async with row_written_uncommitted(database_url) as commit:
-                step = Message.assistant("on it", CALLS)
-                writing = asyncio.create_task(journal.record_step(turn, step))
+                sent: Coroutine[Any, Any, object] = (
+                    db.writes.transact(fenced_delete(a))
+                    if statement == "delete"
+                    else journal.record_step(turn, Message.assistant("on it", CALLS))
+                )
+                waiting = asyncio.create_task(sent)
                 await waiting_for_a_row(database_url)
                 await lose_a()
                 await commit()
                 with pytest.raises(SessionConflict):
-                    await writing
+                    await waiting
     stored = await read(db, turn.run_id)
-    assert stored.history == []
+    assert stored.history == [] and turn.run_id in stored.runs
     assert stored.session is not None and stored.session.message_count == 0
-
-
-async def test_a_delete_that_waited_for_the_sessions_row_is_fenced_again_after_the_wait(
-    db: Database, metrics: Metrics, database_url: str
-) -> None:
-    # As above, for a delete: its fence, evaluated once when the statement started, let it
-    # delete the session after the wait, though its runner had lost the session.
-    async with two_runners(database_url) as (a, _, lose_a):
-        journal = journal_on(db, metrics, ownership=a)
-        async with a.hold(SESSION):
-            turn = await start(journal, "buy it")
-            async with row_written_uncommitted(database_url) as commit:
-                deleting = asyncio.create_task(db.writes.transact(fenced_delete(a)))
-                await waiting_for_a_row(database_url)
-                await lose_a()
-                await commit()
-                with pytest.raises(SessionConflict):
-                    await deleting
-    stored = await read(db, turn.run_id)
-    assert stored.session is not None and turn.run_id in stored.runs
 
 
 async def test_a_delete_is_fenced_by_this_runners_lock(

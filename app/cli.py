@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sqlite3
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -86,6 +88,17 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
         super().__init__(config)
         self._lifecycle = lifecycle
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn puts the handlers it found back once it has shut down: ignored, so that a
+        # signal arriving then (a supervisor's second SIGTERM) does not end the clean exit
+        # as "killed by SIGTERM".
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+        with super().capture_signals():
+            yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._lifecycle.draining:

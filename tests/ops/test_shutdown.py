@@ -258,6 +258,25 @@ def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(
     assert [m["role"] for m in messages] == ["user", "assistant"]
 
 
+def test_signals_that_keep_coming_still_end_in_a_clean_exit(
+    database_url: str, agents_server: AgentsServer
+) -> None:
+    # A supervisor that sends SIGTERM again and again: one that landed after the shutdown
+    # had finished (uvicorn had put the default handler back) ended the exiting process as
+    # "killed by SIGTERM" (-15).
+    server = agents_server(database_url=database_url).start()
+    assert server.process is not None
+    try:
+        _sigterm(server)
+        deadline = time.monotonic() + 30
+        while server.process.poll() is None and time.monotonic() < deadline:
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert server.process.wait(timeout=5) == 0, server.logs()
+    finally:
+        server.kill()
+
+
 def test_sigterm_answers_a_body_still_arriving_at_once(
     tmp_path: Path, agents_server: AgentsServer
 ) -> None:

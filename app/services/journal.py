@@ -8,6 +8,7 @@ session writes nothing (SessionConflict).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
@@ -17,9 +18,12 @@ from typing import Any
 from app.db.base import utcnow
 from app.db.journal import JournalStore, JournalWrite
 from app.domain import Message, RunStatus, Usage
+from app.errors import SessionConflict
 from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.ownership import Ownership
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,7 +152,34 @@ class DurableJournal(Journal):
 
     async def check_owned(self, turn: Turn) -> None:
         assert turn.session_id is not None
-        await self._ownership.check(turn.session_id)
+        try:
+            await self._ownership.check(turn.session_id)
+        except SessionConflict:
+            if not await self._regained(turn):
+                raise
+
+    async def _regained(self, turn: Turn) -> bool:
+        """After a SessionConflict: whether the session's hold had only ended with the
+        ownership's connection (a backend ended, a network blip) and is taken again, with
+        nothing stored to the session since this turn's last write. Another runner's turn
+        on it would have moved its message count or, from its start record on, marked this
+        turn's run `interrupted`. The turn then goes on, its results kept."""
+        session_id = turn.session_id
+        assert session_id is not None
+
+        async def unchanged() -> bool:
+            count, status = await self._store.stored(session_id, turn.run_id)
+            return count == (turn.stored_count if turn.session_exists else None) and status == (
+                RunStatus.RUNNING.value if turn.run_stored else None
+            )
+
+        if not await self._ownership.retake(session_id, unchanged):
+            return False
+        log.warning(
+            "the session's hold ended with the ownership connection; taken again,"
+            " nothing stored since: the turn goes on"
+        )
+        return True
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         self._stamp(turn, results)
@@ -230,22 +261,27 @@ class DurableJournal(Journal):
                 "created_at": now,
                 "updated_at": now,
             }
-        await self._store.write(
-            JournalWrite(
-                session_id=turn.session_id,
-                run_id=turn.run_id,
-                expected=turn.stored_count,
-                now=now,
-                fence=self._ownership.fence_params(turn.session_id),
-                messages=batch,
-                touch=touch,
-                new_session=new_session,
-                new_run=new_run,
-                run_values=run_values,
-                interrupted=interrupted,
-                before_commit=before_commit,
-            )
+        write = JournalWrite(
+            session_id=turn.session_id,
+            run_id=turn.run_id,
+            expected=turn.stored_count,
+            now=now,
+            fence=self._ownership.fence_params(turn.session_id),
+            messages=batch,
+            touch=touch,
+            new_session=new_session,
+            new_run=new_run,
+            run_values=run_values,
+            interrupted=interrupted,
+            before_commit=before_commit,
         )
+        try:
+            await self._store.write(write)
+        except SessionConflict:
+            if not await self._regained(turn):
+                raise
+            write.fence = self._ownership.fence_params(turn.session_id)  # the new connection's
+            await self._store.write(write)
         turn.stored_count += len(batch)
         turn.session_exists = True
 

@@ -20,7 +20,7 @@ import contextlib
 import fcntl
 import os
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +123,13 @@ class Ownership(Protocol):
         """Raise SessionConflict if this process can no longer be sure it owns the session."""
         ...
 
+    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+        """After a SessionConflict of a session this process holds: whether it took the
+        session again, its hold having ended with a connection rather than to another runner,
+        and `unchanged()` says nothing was stored to it meanwhile (another runner may have
+        come and gone)."""
+        ...
+
     async def is_held(self, session_id: str) -> bool:
         """Whether any live runner owns the session now."""
         ...
@@ -207,6 +214,9 @@ class LocalOwnership:
 
     async def check(self, session_id: str) -> None:
         return None
+
+    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+        return False  # a hold here ends only with the process
 
     async def is_held(self, session_id: str) -> bool:
         return self.active.holds(session_id)

@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from typing import Any, Literal, TypeVar
 
@@ -118,6 +118,8 @@ class PostgresOwnership:
         self._conn: asyncpg.Connection | None = None
         self._pid = -1
         self._held: set[str] = set()  # sessions locked on the current connection
+        # Sessions still held by a turn whose lock went with an earlier connection (`retake`).
+        self._lost: set[str] = set()
         self._io = asyncio.Lock()  # one query at a time on the lock connection
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
@@ -151,6 +153,7 @@ class PostgresOwnership:
                 yield
             finally:
                 self._held.discard(session_id)
+                self._lost.discard(session_id)
                 # Shielded: a shutdown that cancels its request here (the turn stored) must
                 # not leave the lock held on a connection that lives on.
                 await asyncio.shield(self._unlock(key))
@@ -181,6 +184,30 @@ class PostgresOwnership:
         if self._conn is None or self._conn.is_closed() or self._stale() or lost:
             raise SessionConflict(session_id)
 
+    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+        """Take again a session held by a turn of this process whose lock went with an earlier
+        lock connection, if no other runner holds it now and `unchanged()` then says nothing
+        was stored to it meanwhile (another runner may have taken it over and let it go).
+        Otherwise it is let go for good: the turn's checks and writes fail from then on."""
+        key = lock_key(session_id)
+        try:
+            async with self._io:
+                await self._connection()  # one found closed gives its sessions to `_lost`
+            if session_id not in self._lost or not await self._try_lock(key):
+                return False
+        except ConnectionError:
+            return False
+        self._lost.discard(session_id)
+        try:
+            if not await unchanged():
+                await self._unlock(key)
+                return False
+        except BaseException:
+            await asyncio.shield(self._unlock(key))
+            raise
+        self._held.add(session_id)
+        return True
+
     @property
     def _statement_timeout_s(self) -> float:
         """How long a statement on the lock connection may go unanswered before the connection
@@ -206,7 +233,8 @@ class PostgresOwnership:
     async def _connect(self) -> None:
         conn = await self._open()
         self._pid = await conn.fetchval("SELECT pg_backend_pid()")
-        self._held = set()  # a new connection holds no lock
+        self._lost |= self._held  # a new connection holds no lock
+        self._held = set()
         self._conn = conn
         self._last_beat = time.monotonic()
 
@@ -245,6 +273,7 @@ class PostgresOwnership:
             log.warning("ownership connection lost (%s)", type(exc).__name__)
             self._conn.terminate()
             self._conn = None
+            self._lost |= self._held
             self._held.clear()
 
     async def _connection(self) -> asyncpg.Connection:
@@ -254,7 +283,7 @@ class PostgresOwnership:
         old one keep failing their writes and checks.
         """
         if self._conn is not None and self._conn.is_closed():
-            log.warning("ownership connection lost; the sessions it held are gone")
+            log.warning("ownership connection lost; the sessions it held are to be taken again")
             self._conn = None
         if self._conn is None:
             try:

@@ -101,6 +101,7 @@ class PostgresJournalStore:
     observers: list[Callable[[int], None]] = field(default_factory=list)
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
     _state: _Statement = field(init=False)
+    _stored: _Statement = field(init=False)
 
     def __post_init__(self) -> None:
         # What tells whether a write whose connection died had committed (`_resend_after`).
@@ -109,6 +110,20 @@ class PostgresJournalStore:
             " (SELECT message_count FROM session WHERE id = :session_id) AS count,"
             " EXISTS (SELECT 1 FROM run WHERE id = :run_id) AS run_stored"
         )
+        self._stored = _Statement.of(
+            "SELECT (SELECT message_count FROM session WHERE id = :session_id) AS count,"
+            " (SELECT status FROM run WHERE id = :run_id) AS status"
+        )
+
+    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+        params = {"session_id": session_id, "run_id": run_id}
+        try:
+            row = await self._fetch(
+                self._stored.sql, self._stored.args(params), None, patient=True, row=True
+            )
+        except _ConnectionLost as lost:
+            raise unavailable(lost.error) from lost.error
+        return row["count"], row["status"]
 
     async def write(self, write: JournalWrite) -> None:
         shape = _Shape(

@@ -79,6 +79,16 @@ class SqliteJournalStore:
         for observer in self.observers:
             observer(statements)
 
+    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+        def read(driver: sqlite3.Connection) -> tuple[int | None, str | None]:
+            count = driver.execute(
+                "SELECT message_count FROM session WHERE id = ?", (session_id,)
+            ).fetchone()
+            status = driver.execute("SELECT status FROM run WHERE id = ?", (run_id,)).fetchone()
+            return (count[0] if count else None), (status[0] if status else None)
+
+        return await self._writes.transact_driver(read)
+
     def _body(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
         statements = self._statements(driver, write)
         if write.before_commit is not None:

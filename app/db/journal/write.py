@@ -47,3 +47,7 @@ class JournalStore(Protocol):
     async def write(self, write: JournalWrite) -> None:
         """Commit the write, or raise SessionConflict having written nothing."""
         ...
+
+    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+        """The session's message count and the run's status as stored (None: no such row)."""
+        ...

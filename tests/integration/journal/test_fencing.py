@@ -20,7 +20,15 @@ from app.domain import Message, Role
 from app.errors import SessionConflict
 from app.metrics import Metrics
 from app.services.pg_ownership import PostgresOwnership
-from tests.integration.journal.support import CALLS, SESSION, journal_on, read, shape, start
+from tests.integration.journal.support import (
+    CALLS,
+    SESSION,
+    journal_on,
+    new_turn,
+    read,
+    shape,
+    start,
+)
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
@@ -83,13 +91,17 @@ async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
 async def row_written_uncommitted(
     database_url: str,
 ) -> AsyncIterator[Callable[[], Awaitable[None]]]:
-    """Another writer's transaction that has updated the session's row and not committed
-    (as a takeover's start write would), until `commit()`; meanwhile a statement on the row
+    """Another runner's start write, not committed until `commit()`: the session's row
+    touched, the run left `running` marked `interrupted`. Meanwhile a statement on the row
     waits for it, and on commit goes on with the row's newest version."""
     writer = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
         await writer.execute("BEGIN")
         await writer.execute("UPDATE session SET updated_at = now() WHERE id = $1", SESSION)
+        await writer.execute(
+            "UPDATE run SET status = 'interrupted' WHERE session_id = $1 AND status = 'running'",
+            SESSION,
+        )
         yield partial(writer.execute, "COMMIT")
     finally:
         await writer.close()  # rolls back what was not committed
@@ -162,3 +174,50 @@ async def test_a_delete_is_fenced_by_this_runners_lock(
             await db.writes.transact(fenced_delete(b))
     stored = await read(db, turn.run_id)
     assert stored.session is None and stored.history == [] and stored.runs == {}
+
+
+@pytest.mark.parametrize("first", ["a dispatch's check", "a write"])
+async def test_a_runner_whose_lock_connection_ended_takes_the_session_again_if_nobody_came(
+    db: Database, metrics: Metrics, database_url: str, first: str
+) -> None:
+    # A's lock connection ends (an administrator, a proxy, a network blip) and no other
+    # runner comes: A takes the session again on a new connection, finds nothing stored
+    # since its last write, and goes on. It stopped, and its completed calls became
+    # durability errors on resume.
+    async with two_runners(database_url) as (a, _, lose_a):
+        journal = journal_on(db, metrics, ownership=a)
+        async with a.hold(SESSION):
+            turn = await start(journal, "buy it")
+            await lose_a()
+            if first == "a dispatch's check":
+                await journal.check_owned(turn)
+            await journal.record_step(turn, Message.assistant("on it", CALLS))
+            await journal.check_owned(turn)
+    stored = await read(db, turn.run_id)
+    assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
+
+
+async def test_a_runner_whose_lock_connection_ended_does_not_go_on_after_another_came_and_went(
+    db: Database, metrics: Metrics, database_url: str
+) -> None:
+    # Meanwhile B took the session, started a turn on it (marking A's run interrupted) and
+    # let it go, its model failing: the message count is unchanged, but A must not go on.
+    async with two_runners(database_url) as (a, b, lose_a):
+        journal_a, journal_b = (
+            journal_on(db, metrics, ownership=a),
+            journal_on(db, metrics, ownership=b),
+        )
+        async with a.hold(SESSION):
+            turn = await start(journal_a, "buy it")
+            await lose_a()
+            async with b.hold(SESSION):
+                later = new_turn("other")
+                later.session_exists = True
+                await journal_b.record_start(later, [turn.run_id])
+            with pytest.raises(SessionConflict):
+                await journal_a.check_owned(turn)
+            with pytest.raises(SessionConflict):
+                await journal_a.record_step(turn, Message.assistant("on it", CALLS))
+    stored = await read(db, turn.run_id)
+    assert stored.history == []
+    assert stored.runs[turn.run_id].status == "interrupted"

@@ -3,7 +3,8 @@
 The journal decides what each write holds (the turn's user message on its first write, the
 run's progress, the session row of a new session); app/db/journal/ carries it out,
 fenced and compare-and-set on the session's message count, so a runner that lost the
-session writes nothing (SessionConflict).
+session writes nothing (SessionConflict). One whose hold ended only with its lock
+connection takes the session again if nothing was stored to it since (`_regained`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Two layers:
 
 Fencing: every durable write includes the ownership's `fence_sql` in its own transaction, so a
 runner that lost the session writes nothing more; before each tool dispatch the runner also
-asks `check`, so a runner that lost it dispatches nothing.
+asks `check`, so a runner that lost it dispatches nothing. A hold that ended with a
+connection, not to another runner, may be taken again (`retake`).
 """
 
 from __future__ import annotations

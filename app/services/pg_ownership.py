@@ -198,6 +198,7 @@ class PostgresOwnership:
         except ConnectionError:
             return False
         self._lost.discard(session_id)
+        taken_on = self._conn
         try:
             if not await unchanged():
                 await self._unlock(key)
@@ -205,6 +206,9 @@ class PostgresOwnership:
         except BaseException:
             await asyncio.shield(self._unlock(key))
             raise
+        if self._conn is not taken_on:  # lost again while the session was read
+            self._lost.add(session_id)
+            return False
         self._held.add(session_id)
         return True
 

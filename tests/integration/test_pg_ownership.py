@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
 from app.db.session import Database
+from app.db.urls import asyncpg_dsn
 from app.domain import RunStatus
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
@@ -168,3 +171,38 @@ async def test_a_deadline_that_passed_while_the_event_loop_was_held_up_costs_no_
         assert await asking is False
         await ownership.check("s-held")  # still its own
     assert "ownership connection lost" not in caplog.text
+
+
+async def test_a_session_taken_again_on_a_connection_that_then_ended_is_not_held(
+    ownership: PostgresOwnership, database_url: str
+) -> None:
+    # The lock connection ends again while the turn reads the session to see whether it may
+    # go on: the lock just taken went with it, so the session must not count as held (the
+    # next dispatch would pass its check on a connection that holds nothing).
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+
+    async def end_the_lock_connection() -> None:
+        pid = ownership.fence_params("s-again")["fence_pid"]
+        assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
+
+    async def unchanged_but_lost_again() -> bool:
+        await end_the_lock_connection()
+        with contextlib.suppress(ConnectionError):
+            await ownership.ping()  # the ended connection is noticed and replaced
+        return True
+
+    try:
+        async with ownership.hold("s-again"):
+            await end_the_lock_connection()
+            assert await ownership.retake("s-again", unchanged_but_lost_again) is False
+            with pytest.raises(SessionConflict):
+                await ownership.check("s-again")
+            # Taken again once more, with nothing in the way, it is held.
+            assert await ownership.retake("s-again", _unchanged) is True
+            await ownership.check("s-again")
+    finally:
+        await admin.close()
+
+
+async def _unchanged() -> bool:
+    return True

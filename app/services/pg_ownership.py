@@ -192,7 +192,7 @@ class PostgresOwnership:
         key = lock_key(session_id)
         try:
             async with self._io:
-                await self._connection()  # one found closed gives its sessions to `_lost`
+                await self._connection()  # a new one counts the old one's sessions `_lost`
             if session_id not in self._lost or not await self._try_lock(key):
                 return False
         except ConnectionError:
@@ -272,13 +272,12 @@ class PostgresOwnership:
 
     def _drop(self, exc: BaseException) -> None:
         """Close the lock connection after a statement or heartbeat on it failed: every lock
-        died with it, so runs in flight fail their next fence."""
+        died with it, so runs in flight fail their next check and fence (the next connection
+        counts their sessions lost: `_connect`)."""
         if self._conn is not None:
             log.warning("ownership connection lost (%s)", type(exc).__name__)
             self._conn.terminate()
             self._conn = None
-            self._lost |= self._held
-            self._held.clear()
 
     async def _connection(self) -> asyncpg.Connection:
         """The lock connection, re-opened on demand (call with `_io` held).

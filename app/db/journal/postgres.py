@@ -104,16 +104,13 @@ class PostgresJournalStore:
     _stored: _Statement = field(init=False)
 
     def __post_init__(self) -> None:
-        # What tells whether a write whose connection died had committed (`_resend_after`).
-        self._state = _Statement.of(
-            f"SELECT {self.fence_sql} AS owned,"
-            " (SELECT message_count FROM session WHERE id = :session_id) AS count,"
-            " EXISTS (SELECT 1 FROM run WHERE id = :run_id) AS run_stored"
-        )
-        self._stored = _Statement.of(
-            "SELECT (SELECT message_count FROM session WHERE id = :session_id) AS count,"
+        stored = (
+            "(SELECT message_count FROM session WHERE id = :session_id) AS count,"
             " (SELECT status FROM run WHERE id = :run_id) AS status"
         )
+        self._stored = _Statement.of(f"SELECT {stored}")
+        # What tells whether a write whose connection died had committed (`_resend_after`).
+        self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {stored}")
 
     async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
         params = {"session_id": session_id, "run_id": run_id}
@@ -174,7 +171,7 @@ class PostgresJournalStore:
         if write.messages:
             committed = state["count"] == write.new_count
         elif write.new_run is not None:
-            committed = state["run_stored"]
+            committed = state["status"] is not None
         else:  # only run updates: the same values again change nothing
             committed = False
         log.warning(

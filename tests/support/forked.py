@@ -9,6 +9,7 @@ its own pid, sockets and exit code: tests kill -9 it, stop it and signal it as b
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -82,7 +83,10 @@ class ForkedServer:
     def send_signal(self, sig: int) -> None:
         """Send `sig` to the server (if it still runs)."""
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            # It may have ended since: the forkserver, its parent, reaps it before this
+            # process hears of its exit (as subprocess.Popen.send_signal, ignored).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         """SIGTERM."""

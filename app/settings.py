@@ -29,7 +29,7 @@ class Settings(BaseSettings):
 
     anthropic_max_retries: int = Field(default=2, ge=0, le=10)
     anthropic_timeout_s: float = Field(default=600.0, gt=0)
-    database_pool_size: int = Field(default=10, ge=1)
+    database_pool_size: int = Field(default=20, ge=1)
     # PostgreSQL session ownership: the lock connection's heartbeat, and how long a holder may
     # miss it before another runner takes its sessions over (services/pg_ownership.py).
     session_heartbeat_s: float = Field(default=0.5, gt=0)

@@ -40,7 +40,7 @@ def test_a_turn_whose_tools_ran_waits_for_a_connection_and_keeps_their_results(
 ) -> None:
     # Its write #2 gave up after the pool's 10 s with 503: the result of a side effect that
     # had run was lost (the resubmission stored a durability error in its place).
-    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "1"})
+    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "2"})
     lock = TableLock(database_url)
     with server, server.client(timeout=120) as client:
 
@@ -52,8 +52,7 @@ def test_a_turn_whose_tools_ran_waits_for_a_connection_and_keeps_their_results(
         wait_for(tool_server.in_flight.is_set, timeout=30, what="slow_post in flight")
         lock.take()
         try:
-            # Two turns take the pool's two connections (DATABASE_POOL_SIZE=1, and as many
-            # more under load) and wait on the lock with them.
+            # Two turns take the pool's two connections and wait on the lock with them.
             others = [_in_thread(partial(run, "triage", f"other-{i}")) for i in range(2)]
             wait_for(lambda: lock.waiting() == 2, timeout=30, what="both connections waiting")
             # A request that has not written yet gives up after the pool's timeout.
@@ -77,3 +76,33 @@ def test_a_turn_whose_tools_ran_waits_for_a_connection_and_keeps_their_results(
     [result] = [m for m in messages if m["role"] == "tool" and m["tool_name"] == "slow_post"]
     assert (result["is_error"], json.loads(result["content"])) == (False, {"ok": True})
     assert tool_server.count("slow_post") == 1
+
+
+@pytest.mark.timeout(120)
+def test_turns_past_the_pools_size_wait_for_a_pooled_connection(
+    database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    # The pool opened as many connections again under load, each closed as soon as it was
+    # given back: past the pool's size, every transaction paid for a new connection.
+    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "2"})
+    lock = TableLock(database_url)
+    with server, server.client(timeout=60) as client:
+
+        def run(session_id: str) -> httpx.Response:
+            body = {"agent": "triage", "message": "issue 7", "session_id": session_id}
+            return client.post("/v1/runs", json=body)
+
+        lock.take()
+        try:
+            turns = [_in_thread(partial(run, f"turn-{i}")) for i in range(4)]
+            wait_for(lambda: lock.waiting() == 2, timeout=30, what="the pool's two connections")
+            time.sleep(1)  # time for the other two turns to open connections, had they any
+            assert lock.waiting() == 2
+            assert lock.connected() == 3  # the pool's two and the ownership's lock connection
+        finally:
+            lock.release()
+        for thread, _ in turns:
+            thread.join(timeout=POOL_TIMEOUT_S + 20)
+    for _, [answer] in turns:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "complete"

@@ -140,12 +140,18 @@ class TableLock:
 
     def waiting(self) -> int:
         """How many other backends of this database wait for a lock."""
+        return self._count_others("wait_event_type = 'Lock'")
 
+    def connected(self) -> int:
+        """How many other backends this database has (connections open to it)."""
+        return self._count_others("true")
+
+    def _count_others(self, condition: str) -> int:
         async def count() -> int:
             assert self._conn is not None
             sql = (
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                f" AND {condition} AND pid <> pg_backend_pid()"
             )
             # Inside the lock's transaction: a fresh look at the activity, not the first one.
             await self._conn.execute("SELECT pg_stat_clear_snapshot()")

@@ -41,7 +41,8 @@ async def one_connection_url(database_url: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def one_connection_db(one_connection_url: str) -> AsyncIterator[Database]:
-    db = await Database.connect(one_connection_url, pool_size=1)
+    # A pool of two on a role allowed one: the pool's second connection is the server's to refuse.
+    db = await Database.connect(one_connection_url, pool_size=2)
     try:
         yield db
     finally:

@@ -37,13 +37,18 @@ class Failpoints:
 
     @classmethod
     def parse(cls, spec: str | None) -> Failpoints:
-        """Parse the FAILPOINTS value; unknown names and bad counts are a ConfigError."""
+        """Parse the FAILPOINTS value (empty: none armed). An empty entry, an unknown or
+        repeated name and a bad count are a ConfigError: a typo would otherwise leave a test
+        running with a crash point it did not mean."""
         armed: dict[str, int] = {}
-        for item in (spec or "").split(","):
+        text = (spec or "").strip()
+        for item in text.split(",") if text else ():
             item = item.strip()
             if not item:
-                continue
+                raise ConfigError(f"FAILPOINTS: {text!r} has an empty entry; use name[@n],...")
             name, at, count = item.partition("@")
+            if name in armed:
+                raise ConfigError(f"FAILPOINTS: {name!r} is named twice")
             if name not in NAMES:
                 raise ConfigError(f"FAILPOINTS: unknown failpoint {name!r}; known: {sorted(NAMES)}")
             valid = count.isascii() and count.isdigit() and int(count) >= 1

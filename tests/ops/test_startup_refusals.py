@@ -71,6 +71,12 @@ def test_agents_on_scripted_models_that_do_not_exist_are_refused_all_at_once(
     assert "known: echo, support" in logs
 
 
+def test_a_failpoints_list_with_an_empty_entry_is_refused(tmp_path: Path) -> None:
+    env = {"FAILPOINTS": "after-write-1,,after-write-2"}
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", env)
+    assert "FAILPOINTS: 'after-write-1,,after-write-2' has an empty entry" in logs, logs
+
+
 def test_an_empty_agents_file_variable_is_refused_as_empty(tmp_path: Path) -> None:
     # It was read as ".": "cannot read the agents file: Is a directory".
     logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'x.db'}", {"AGENTS_FILE": ""})

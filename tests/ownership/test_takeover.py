@@ -218,6 +218,65 @@ def test_a_hold_that_ended_before_the_turns_start_record_is_taken_again(
     assert "taken again, nothing stored since: the turn goes on" in a.logs()
 
 
+def test_a_hold_that_ended_before_the_start_record_while_another_turn_ran_answers_503(
+    servers: Servers,
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    """As above, but another replica runs a whole turn on the session before the first
+    turn's start record reaches the database: the session changed since the first turn read
+    it, so that turn cannot take it again; it stored and ran nothing, and says to resubmit,
+    which then runs after the other turn."""
+    session = "s-hold-lost-overtaken"
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        (tmp_path / "late").mkdir()
+        late = Servers(
+            tmp_path / "late",
+            database_url=via_proxy,
+            model_url=fake_model.url,
+            tools_url=tool_server.url,
+        )
+        try:
+            a, b = late.new("a"), servers.new("b")
+            servers.start_all(a, b)
+            with b.client() as client:
+                ok(client.post("/v1/runs", json=run_body("echo", "first", session)))
+            lock = TableLock(database_url)
+            lock.take()
+            try:
+                second = Background(a.url, run_body("echo", "second", session))
+                wait_for(lambda: lock.waiting() > 0, timeout=15, what="A's history read waiting")
+                proxy.stall(8)  # what A reads and sends from now on arrives 8 s late
+                assert drop_lock_connections(database_url) == 1  # A's hold ends
+            finally:
+                lock.release()
+            with b.client() as client:
+                assert (
+                    ok(client.post("/v1/runs", json=run_body("echo", "third", session)))["status"]
+                    == "complete"
+                )
+            answer = second.join(60)
+            assert isinstance(answer, httpx.Response), answer
+            detail = assert_problem(answer, 503, "database_unavailable")["detail"]
+            assert f"hold on session {session!r} ended with its connection" in detail, detail
+            assert answer.headers.get("Retry-After")
+            with a.client() as client:
+                assert (
+                    ok(client.post("/v1/runs", json=run_body("echo", "second", session)))["status"]
+                    == "complete"
+                )
+                messages = history(client, session)
+        finally:
+            late.close()
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    assert users == ["first", "third", "second"], users
+    assert_history_consistent(messages)
+
+
 def test_a_database_that_answers_late_costs_the_holder_no_session(
     database_url: str, tmp_path: Path, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
-from tests.support.transactions import SessionRowLock
+from tests.support.transactions import SessionRowLock, TableLock
 
 TURN = {"agent": "slow", "message": "post it slowly", "session_id": "lost-connection"}
 KEY = {"Idempotency-Key": "turn-1"}
@@ -55,6 +55,24 @@ def _terminate_pooled_connections(database_url: str) -> int:
             await conn.close()
 
     return asyncio.run(go())
+
+
+def _backends(database_url: str) -> int:
+    """How many connections the database has (but this one)."""
+
+    async def count() -> int:
+        url = make_url(database_url).set(drivername="postgresql")
+        conn = await asyncpg.connect(url.render_as_string(hide_password=False))
+        try:
+            sql = (
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            return int(await conn.fetchval(sql))
+        finally:
+            await conn.close()
+
+    return asyncio.run(count())
 
 
 def _turn_in_flight(
@@ -210,3 +228,51 @@ def test_a_write_that_cannot_connect_at_all_answers_503(
     finally:
         server.kill()
         pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+
+
+def _lose_both_connections_under_writes(
+    database_url: str,
+    pg_admin: Callable[..., None],
+    pool: ThreadPoolExecutor,
+    client: httpx.Client,
+    sessions: list[str],
+) -> None:
+    """The sessions' turns at once, on a pool of two: both its connections wait for a table
+    lock under a write, and are ended there."""
+    database = make_url(database_url).database
+    lock = TableLock(database_url)
+    lock.take()
+    try:
+        turns = [
+            pool.submit(client.post, "/v1/runs", json={**ECHO, "session_id": session})
+            for session in sessions
+        ]
+        wait_for(lambda: lock.waiting() == 2, timeout=30, what="the pool's two connections")
+        pg_admin(
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+            f" WHERE datname = '{database}' AND wait_event_type = 'Lock'"
+        )
+    finally:
+        lock.release()
+    for turn in turns:  # each told whether its write committed, or 503
+        assert turn.result(timeout=60).status_code in (200, 503)
+
+
+def test_connections_lost_under_writes_leave_the_pool_no_bigger(
+    database_url: str, pg_admin: Callable[..., None], agents_server: AgentsServer
+) -> None:
+    # A connection lost under a write disposed of the whole pool: connections checked out at
+    # that moment went back to the old pool when returned, and stayed open for good. A
+    # replica held one or two more connections past DATABASE_POOL_SIZE after each such loss.
+    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "2"}).start()
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool, server.client(timeout=60) as client:
+            for cycle in range(3):
+                sessions = [f"c{cycle}-{i}" for i in range(6)]
+                _lose_both_connections_under_writes(database_url, pg_admin, pool, client, sessions)
+            for i in range(4):  # the pool's connections are each used again
+                answer = client.post("/v1/runs", json={**ECHO, "session_id": f"after-{i}"})
+                assert answer.status_code == 200, answer.text
+            assert _backends(database_url) <= 3  # the pool's two and the ownership's
+    finally:
+        server.kill()

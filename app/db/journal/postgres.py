@@ -209,7 +209,8 @@ class PostgresJournalStore:
 
         The pool's raw connection costs a quarter of an AsyncConnection's checkout. What
         SQLAlchemy would do on failure is done here: a connection that failed other than by
-        a statement error is invalidated, and on a lost connection the whole pool with it."""
+        a statement error is invalidated, and on a lost connection the pool's older ones
+        too."""
         pooled = await self._checkout(patient=patient)
         try:
             raw = pooled.driver_connection
@@ -227,12 +228,14 @@ class PostgresJournalStore:
                 if pg_read_only(exc) or saturated(exc):
                     raise unavailable(exc) from exc
                 raise
-            await greenlet_spawn(pooled.invalidate, exc)
             if isinstance(exc, PG_CONNECTION_ERRORS):
-                # As SQLAlchemy does on a disconnect: the pool's other connections are as old
-                # as this one, so none is reused.
-                await self.engine.dispose()
+                # As SQLAlchemy does on a disconnect (its Connection calls this private method
+                # of the pool): this connection is closed, and the pool's others, as old as
+                # it, are replaced at their next checkout. Disposing of the engine instead
+                # left the connections checked out meanwhile in the old pool, open for good.
+                await greenlet_spawn(self.engine.pool._invalidate, pooled, exc)
                 raise _ConnectionLost(exc) from exc
+            await greenlet_spawn(pooled.invalidate, exc)
             raise
         # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
         # adapter can only do inside greenlet_spawn.

@@ -305,18 +305,34 @@ class PostgresOwnership:
     ) -> Any:
         """One statement on the lock connection: its value, its row (or None), or all its
         rows; a failed connection, or one that does not answer in `_statement_timeout_s`, is
-        dropped and reported as ConnectionError (503)."""
-        self.statements += 1
+        dropped and reported as ConnectionError (503).
+
+        A connection that failed under the statement is replaced and the statement sent once
+        more: the server had ended it unseen (a backend ended, a proxy's idle timeout; its
+        goodbye raced the statement), which says nothing of the database. Every statement
+        here may run again: a lock taken on the failed connection went with it."""
         async with self._io:
-            conn = await self._connection()
-            fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
             try:
-                return await _answered_within(fetch(sql, *args), self._statement_timeout_s)
-            except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
-                # Unanswered, it would hold `_io`, and with it the heartbeat that would have
-                # noticed: every request of the process would wait on the connection forever.
-                self._drop(exc)
-                raise ConnectionError("the ownership connection is down") from exc
+                return await self._send(sql, args, result)
+            except ConnectionError as lost:
+                if isinstance(lost.__cause__, TimeoutError):
+                    raise
+                return await self._send(sql, args, result)
+
+    async def _send(
+        self, sql: str, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
+    ) -> Any:
+        """`_query`'s one try (call with `_io` held)."""
+        self.statements += 1
+        conn = await self._connection()
+        fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
+        try:
+            return await _answered_within(fetch(sql, *args), self._statement_timeout_s)
+        except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
+            # Unanswered, it would hold `_io`, and with it the heartbeat that would have
+            # noticed: every request of the process would wait on the connection forever.
+            self._drop(exc)
+            raise ConnectionError("the ownership connection is down") from exc
 
     async def _try_lock(self, key: int) -> bool:
         return bool(await self._query("SELECT pg_try_advisory_lock($1)", key))

@@ -130,13 +130,12 @@ class SessionService:
 
     async def delete(self, session_id: str, *, tenant_id: str | None, user_id: str | None) -> None:
         """Delete the session, its runs and messages; not while a run is in progress."""
-        async with self.db.reads.begin() as session:  # not revealed by a 409 to others
-            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+        # First: a 409 must not tell other tenants or users that the session exists.
+        await self._check_visible(session_id, tenant_id=tenant_id, user_id=user_id)
         asked = utcnow()
         try:
             async with self.ownership.hold(session_id):
-                async with self.db.reads.begin() as session:
-                    await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+                await self._check_visible(session_id, tenant_id=tenant_id, user_id=user_id)
                 # Every write goes through db.writes (app/db/session.py, a Transactor).
                 delete = partial(
                     delete_session,
@@ -149,6 +148,13 @@ class SessionService:
             self.metrics.session_busy.inc()
             active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
             raise SessionBusy(session_id, active) from busy
+
+    @read_again_if_disconnected
+    async def _check_visible(
+        self, session_id: str, *, tenant_id: str | None, user_id: str | None
+    ) -> None:
+        async with self.db.reads.begin() as session:
+            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
 
     @staticmethod
     async def _orphaned(session: AsyncSession, rows: Sequence[models.Session]) -> set[str]:

@@ -9,9 +9,11 @@ import pytest
 from app.db.migrate import database_state
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
+from app.errors import SessionNotFound
 from app.metrics import Metrics
 from app.services.ownership import LocalOwnership
 from app.services.sessions import SessionService
+from tests.integration.journal.support import SESSION, journal_on, start
 
 pytestmark = [
     pytest.mark.postgres,
@@ -48,8 +50,29 @@ async def test_a_read_on_a_pooled_connection_the_server_ended_unseen_is_read_aga
 
     expected = await reads()  # and a connection now sits in the pool
     assert await _end_pooled_connections(database_url) >= 1
-    # The race: the pool's check at checkout (is the driver's connection closed?) ran just
-    # before the driver read the server's goodbye.
+    staged = _stage_the_race(monkeypatch)
+    assert await reads() == expected
+    assert staged  # the race was staged
+
+
+async def test_a_session_delete_whose_pooled_connection_the_server_ended_unseen_deletes(
+    db: Database, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its reads (may the caller see the session?) answered 503 though the database was up.
+    await start(journal_on(db, Metrics()), "to be deleted")
+    sessions = SessionService(db, LocalOwnership(), Metrics())
+    await sessions.get(SESSION, tenant_id="tenant-1", user_id=None)  # a connection in the pool
+    assert await _end_pooled_connections(database_url) >= 1
+    staged = _stage_the_race(monkeypatch)
+    await sessions.delete(SESSION, tenant_id="tenant-1", user_id=None)
+    assert staged
+    with pytest.raises(SessionNotFound):
+        await sessions.get(SESSION, tenant_id="tenant-1", user_id=None)
+
+
+def _stage_the_race(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The race: the pool's check at checkout (is the driver's connection closed?) runs just
+    before the driver reads the server's goodbye. The list says whether it was staged."""
     staged: list[bool] = []
     real = asyncpg.Connection.is_closed
 
@@ -60,5 +83,4 @@ async def test_a_read_on_a_pooled_connection_the_server_ended_unseen_is_read_aga
         return False
 
     monkeypatch.setattr(asyncpg.Connection, "is_closed", is_closed)
-    assert await reads() == expected
-    assert staged  # the race was staged
+    return staged

@@ -206,3 +206,32 @@ async def test_a_session_taken_again_on_a_connection_that_then_ended_is_not_held
 
 async def _unchanged() -> bool:
     return True
+
+
+async def test_a_statement_on_a_lock_connection_the_server_ended_unseen_is_sent_again(
+    ownership: PostgresOwnership, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server ended the lock connection and the driver had not read its goodbye when the
+    # next statement went out: a session's GET, a DELETE or a new turn answered 503 though
+    # the database was up.
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        ended = ownership.fence_params("s-unseen")["fence_pid"]
+        assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ended)
+    finally:
+        await admin.close()
+    staged: list[bool] = []
+    real = asyncpg.Connection.is_closed
+
+    def is_closed(self: asyncpg.Connection) -> bool:  # the ownership's check, just too early
+        if staged:
+            return bool(real(self))
+        staged.append(True)
+        return False
+
+    monkeypatch.setattr(asyncpg.Connection, "is_closed", is_closed)
+    assert await ownership.is_held("s-unseen") is False
+    assert staged
+    async with ownership.hold("s-unseen"):
+        assert ownership.fence_params("s-unseen")["fence_pid"] != ended
+        await ownership.check("s-unseen")

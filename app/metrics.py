@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy.pool import Pool, QueuePool
 
 # Durable writes are milliseconds; model calls and runs are seconds to minutes.
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -62,6 +65,9 @@ class Metrics:
             registry=r,
         )
 
+        self.pool = _PoolCollector()
+        r.register(self.pool)
+
     @contextmanager
     def write(self, kind: str) -> Iterator[None]:
         """Time one durable write."""
@@ -74,3 +80,33 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition."""
         return generate_latest(self.registry)
+
+
+class _PoolCollector(Collector):
+    """The PostgreSQL connection pool's connections, read at each scrape: how close the
+    replica runs to DATABASE_POOL_SIZE (past it, requests wait for a connection)."""
+
+    def __init__(self) -> None:
+        self._pool_of: Callable[[], Pool] | None = None
+
+    def watch(self, pool_of: Callable[[], Pool]) -> None:
+        """Report this pool (asked for at each scrape: an engine may replace its pool)."""
+        self._pool_of = pool_of
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool_of() if self._pool_of is not None else None
+        if not isinstance(pool, QueuePool):
+            return
+        connections = GaugeMetricFamily(
+            "agent_runner_database_connections",
+            "Pooled database connections by state (in_use, idle); not the lock connection.",
+            labels=["state"],
+        )
+        connections.add_metric(["in_use"], pool.checkedout())
+        connections.add_metric(["idle"], pool.checkedin())
+        yield connections
+        yield GaugeMetricFamily(
+            "agent_runner_database_pool_size",
+            "The most pooled connections this replica opens (DATABASE_POOL_SIZE).",
+            value=pool.size(),
+        )

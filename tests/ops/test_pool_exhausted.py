@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from app.db.outages import POOL_BUSY_DETAIL
+from tests.ops.helpers import scrape, value
 from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 from tests.support.tool_server import ToolServer
@@ -99,10 +100,17 @@ def test_turns_past_the_pools_size_wait_for_a_pooled_connection(
             time.sleep(1)  # time for the other two turns to open connections, had they any
             assert lock.waiting() == 2
             assert lock.connected() == 3  # the pool's two and the ownership's lock connection
+            busy = scrape(client)  # what an operator sizing the pool sees
         finally:
             lock.release()
         for thread, _ in turns:
             thread.join(timeout=POOL_TIMEOUT_S + 20)
+        idle = scrape(client)
     for _, [answer] in turns:
         assert answer.status_code == 200, answer.text
         assert answer.json()["status"] == "complete"
+    assert value(busy, "agent_runner_database_pool_size") == 2
+    assert value(busy, "agent_runner_database_connections", state="in_use") == 2
+    assert value(busy, "agent_runner_database_connections", state="idle") == 0
+    assert value(idle, "agent_runner_database_connections", state="in_use") == 0
+    assert value(idle, "agent_runner_database_connections", state="idle") == 2

@@ -76,8 +76,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
                 settings.database_url, pool_size=settings.database_pool_size
             )
             resources.push_async_callback(db.dispose)
-            if db.dialect == "postgresql":
-                metrics.pool.watch(lambda: db.engine.pool)
+            metrics.pool.watch(lambda: db.engine.pool)
             resources.push_async_callback(registry.aclose)
             model = llm or ModelRouter.from_settings(
                 max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s

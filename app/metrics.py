@@ -83,8 +83,8 @@ class Metrics:
 
 
 class _PoolCollector(Collector):
-    """The PostgreSQL connection pool's connections, read at each scrape: how close the
-    replica runs to DATABASE_POOL_SIZE (past it, requests wait for a connection)."""
+    """The connection pool's connections, read at each scrape: how close the replica runs
+    to DATABASE_POOL_SIZE (past it, requests wait for a connection)."""
 
     def __init__(self) -> None:
         self._pool_of: Callable[[], Pool] | None = None
@@ -99,7 +99,8 @@ class _PoolCollector(Collector):
             return
         connections = GaugeMetricFamily(
             "agent_runner_database_connections",
-            "Pooled database connections by state (in_use, idle); not the lock connection.",
+            "Pooled database connections by state (in_use, idle); not PostgreSQL's lock"
+            " connection nor SQLite's writer.",
             labels=["state"],
         )
         connections.add_metric(["in_use"], pool.checkedout())

@@ -13,7 +13,7 @@ from tests.ops.helpers import increase, scrape, value
 from tests.ops.scenario import Scenario
 from tests.support.agents import write_agents_file
 from tests.support.fake_anthropic import FakeAnthropic
-from tests.support.server import ServerProcess
+from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
 RUNS = "agent_runner_runs_total"
@@ -117,3 +117,14 @@ def test_a_run_whose_runner_died_counts_as_interrupted_when_found(
         after = scrape(c)
     assert increase(before, after, RUNS, agent="triage", status="interrupted") == 1
     assert increase(before, after, RUNS, agent="triage", status="complete") == 1
+
+
+def test_the_pools_connections_and_size(database_url: str, agents_server: AgentsServer) -> None:
+    server = agents_server(database_url=database_url, env={"DATABASE_POOL_SIZE": "3"})
+    with server, server.client() as client:
+        body = {"agent": "echo", "message": "hello", "session_id": "pooled"}
+        assert client.post("/v1/runs", json=body).status_code == 200
+        after = scrape(client)
+    assert value(after, "agent_runner_database_pool_size") == 3
+    assert value(after, "agent_runner_database_connections", state="in_use") == 0
+    assert 1 <= value(after, "agent_runner_database_connections", state="idle") <= 3

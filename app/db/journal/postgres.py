@@ -237,8 +237,8 @@ class PostgresJournalStore:
                 raise _ConnectionLost(exc) from exc
             await greenlet_spawn(pooled.invalidate, exc)
             raise
-        # Closing may close the driver's connection (pool overflow), which SQLAlchemy's async
-        # adapter can only do inside greenlet_spawn.
+        # Giving it back may do I/O (the pool's reset of it, or closing it at shutdown),
+        # which SQLAlchemy's async adapter can only do inside greenlet_spawn.
         await greenlet_spawn(pooled.close)
         for observer in self.observers:
             observer(1)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.db import models
@@ -27,6 +29,8 @@ from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
 from app.services.runs import run_summary
+
+log = logging.getLogger(__name__)
 
 # What a cursor names as its list (app.schemas.common.encode_cursor).
 SESSIONS_LIST = "sessions"
@@ -136,18 +140,37 @@ class SessionService:
         try:
             async with self.ownership.hold(session_id):
                 await self._check_visible(session_id, tenant_id=tenant_id, user_id=user_id)
-                # Every write goes through db.writes (app/db/session.py, a Transactor).
-                delete = partial(
-                    delete_session,
-                    session_id=session_id,
-                    row_fence_sql=self.ownership.row_fence_sql,
-                    fence=self.ownership.fence_params(session_id),
-                )
-                await self.db.writes.transact(delete)
+                await self._delete_held(session_id)
         except SessionBusy as busy:
             self.metrics.session_busy.inc()
             active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
             raise SessionBusy(session_id, active) from busy
+
+    async def _delete_held(self, session_id: str) -> None:
+        """The delete, while this runner holds the session. Should its connection end under
+        it (the server had ended it unseen), whether it committed is unknown; nobody else
+        can have changed the session meanwhile, so the session's presence tells, and it is
+        sent again if it had not."""
+        # Every write goes through db.writes (app/db/session.py, a Transactor).
+        delete = partial(
+            delete_session,
+            session_id=session_id,
+            row_fence_sql=self.ownership.row_fence_sql,
+            fence=self.ownership.fence_params(session_id),
+        )
+        try:
+            await self.db.writes.transact(delete)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            if await self._stored(session_id):
+                log.info("a pooled database connection had been ended: deleting again")
+                await self.db.writes.transact(delete)
+
+    @read_again_if_disconnected
+    async def _stored(self, session_id: str) -> bool:
+        async with self.db.reads.begin() as session:
+            return await SessionRepository(session).get(session_id) is not None
 
     @read_again_if_disconnected
     async def _check_visible(

@@ -1,12 +1,18 @@
 """PostgreSQL: a read whose pooled connection the server had ended, unseen by the driver
-(the backend's end racing the checkout), is read again on a new connection, not a 503."""
+(the backend's end racing the checkout), is read again on a new connection, not a 503; a
+session's delete, told done or not, is sent again."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
 import pytest
+from sqlalchemy.engine import Connection
 
+import app.services.sessions as services_sessions
 from app.db.migrate import database_state
+from app.db.repositories import delete_session
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
 from app.errors import SessionNotFound
@@ -66,6 +72,27 @@ async def test_a_session_delete_whose_pooled_connection_the_server_ended_unseen_
     staged = _stage_the_race(monkeypatch)
     await sessions.delete(SESSION, tenant_id="tenant-1", user_id=None)
     assert staged
+    with pytest.raises(SessionNotFound):
+        await sessions.get(SESSION, tenant_id="tenant-1", user_id=None)
+
+
+async def test_a_session_delete_whose_own_connection_ends_under_it_is_sent_again(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It answered 503 though the database was up, and the session was still there.
+    await start(journal_on(db, Metrics()), "to be deleted")
+    sessions = SessionService(db, LocalOwnership(), Metrics())
+    ended: list[bool] = []
+
+    def delete_on_an_ending_connection(conn: Connection, **kwargs: Any) -> None:
+        if not ended:
+            ended.append(True)
+            conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+        delete_session(conn, **kwargs)
+
+    monkeypatch.setattr(services_sessions, "delete_session", delete_on_an_ending_connection)
+    await sessions.delete(SESSION, tenant_id="tenant-1", user_id=None)
+    assert ended
     with pytest.raises(SessionNotFound):
         await sessions.get(SESSION, tenant_id="tenant-1", user_id=None)
 

@@ -17,7 +17,8 @@ from functools import partial
 from typing import Any
 
 from app.db.base import utcnow
-from app.db.journal import JournalStore, JournalWrite
+from app.db.journal import JournalStore, JournalWrite, WriteOutcomeUnknown
+from app.db.outages import unavailable
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
@@ -182,6 +183,45 @@ class DurableJournal(Journal):
         )
         return True
 
+    async def _settled(self, write: JournalWrite) -> bool:
+        """After a write whose outcome is unknown (its connection and the session's hold
+        ended together: a backend or the network, not the database): whether the session is
+        taken again, nobody holding it and its stored state either this write's before or
+        its after, and the write then stored (sent again if it had not committed). Any other
+        state is another runner's doing (a turn's start marks this run `interrupted`)."""
+        before = (
+            None if write.new_session is not None else write.expected,
+            None if write.new_run is not None else RunStatus.RUNNING.value,
+        )
+        after = (write.new_count, (write.run_values or {}).get("status", RunStatus.RUNNING.value))
+        committed: list[bool] = []
+
+        async def before_or_after() -> bool:
+            state = await self._store.stored(write.session_id, write.run_id)
+            if state in (before, after):
+                committed.append(state != before)  # both (a run update): send it again
+            return bool(committed)
+
+        if not await self._ownership.retake(write.session_id, before_or_after):
+            return False
+        log.warning(
+            "the session's hold ended with a durable write's connection; taken again, the write %s",
+            "had committed" if committed[0] else "had not committed: sent again",
+        )
+        if not committed[0]:
+            await self._send_again(write)
+        return True
+
+    async def _send_again(self, write: JournalWrite) -> None:
+        """The write once more, on the session taken again (as the store sends a write again:
+        without its failpoint); its outcome unknown once more is a 503."""
+        write.fence = self._ownership.fence_params(write.session_id)  # the new connection's
+        write.before_commit = None
+        try:
+            await self._store.write(write)
+        except WriteOutcomeUnknown as unknown:
+            raise unavailable(unknown.error) from unknown.error
+
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         self._stamp(turn, results)
         self._failpoints.reach("after-handlers")
@@ -281,8 +321,10 @@ class DurableJournal(Journal):
         except SessionConflict:
             if not await self._regained(turn):
                 raise
-            write.fence = self._ownership.fence_params(turn.session_id)  # the new connection's
-            await self._store.write(write)
+            await self._send_again(write)
+        except WriteOutcomeUnknown as unknown:
+            if not await self._settled(write):
+                raise unavailable(unknown.error) from unknown.error
         turn.stored_count += len(batch)
         turn.session_exists = True
 

@@ -93,14 +93,22 @@ def _resume(client: httpx.Client) -> None:
 
 @contextmanager
 def _write_2_ended_while_waiting(
-    database_url: str, pg_admin: Callable[..., None], tool_server: ToolServer, *, also: str = ""
+    database_url: str,
+    pg_admin: Callable[..., None],
+    tool_server: ToolServer,
+    *,
+    also: str = "",
+    first: str | None = None,
 ) -> Iterator[SessionRowLock]:
     """Write #2 waits on the session's row (another client holds it until the block ends);
-    its backend, and the ones `also` selects, are ended while it waits."""
+    its backend, and the ones `also` selects, are ended while it waits (after the statement
+    `first`, if given)."""
     database = make_url(database_url).database
     with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
         tool_server.release()
         wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
+        if first is not None:
+            pg_admin(first)
         pg_admin(
             "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
             f" WHERE datname = '{database}' AND (wait_event_type = 'Lock'{also})"
@@ -175,30 +183,61 @@ def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goe
         server.kill()
 
 
-def test_a_write_whose_connection_dies_with_the_sessions_hold_answers_503_and_resumes(
+LOCK_CONNECTION = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
+
+
+def test_a_write_whose_connection_dies_with_the_sessions_hold_takes_it_again_and_goes_on(
     database_url: str,
     pg_admin: Callable[..., None],
     agents_server: AgentsServer,
     tool_server: ToolServer,
 ) -> None:
+    # Write #2's connection and the lock connection end together (backends ended, a network
+    # path lost): the stored state could not say whether the write committed, since another
+    # runner might have written once the session was free. The turn answered 503, and the
+    # post that was made became a durability error on resume.
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = _turn_in_flight(pool, client, tool_server)
-            # Write #2's connection and the lock connection end together (a restart of the
-            # database, a failover): with the session no longer held, no stored state can say
-            # whether the write committed (another runner may have written since).
-            lock_connection = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
+            # Nobody took the session: the turn takes it again, finds the session as the write
+            # left it before, and sends the write again (it waits for the row meanwhile).
             with _write_2_ended_while_waiting(
-                database_url, pg_admin, tool_server, also=lock_connection
+                database_url, pg_admin, tool_server, also=LOCK_CONNECTION
+            ) as row:
+                wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
+            _kept_its_result(in_flight.result(timeout=30), client, tool_server)
+        assert "taken again, the write had not committed: sent again" in server.logs()
+    finally:
+        server.kill()
+
+
+def test_a_write_whose_connection_dies_with_the_hold_and_the_database_answers_503(
+    database_url: str,
+    pg_admin: Callable[..., None],
+    agents_server: AgentsServer,
+    tool_server: ToolServer,
+) -> None:
+    # As above, but the database takes no connection meanwhile (a restart, a failover): the
+    # session cannot be taken again nor its state read, and an outage is not waited for.
+    database = make_url(database_url).database
+    server = agents_server(database_url=database_url).start()
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
+            in_flight = _turn_in_flight(pool, client, tool_server)
+            refuse = f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false'
+            with _write_2_ended_while_waiting(
+                database_url, pg_admin, tool_server, also=LOCK_CONNECTION, first=refuse
             ):
                 refused = in_flight.result(timeout=30)
-            _refused_then_resumed(refused, client)  # the row is free again
+            pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+            _refused_then_resumed(refused, client)
             result = _slow_post_result(client)
         assert tool_server.count("slow_post") == 1
         assert json.loads(result["content"])["kind"] == "tool-durability-error"
     finally:
         server.kill()
+        pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
 
 
 def test_a_write_that_cannot_connect_at_all_answers_503(

@@ -26,7 +26,7 @@ from app.db.journal.sql import (
     interrupted_sql,
     run_update_sql,
 )
-from app.db.journal.write import JournalWrite
+from app.db.journal.write import JournalWrite, WriteOutcomeUnknown
 from app.db.outages import (
     PG_CONNECTION_ERRORS,
     pg_read_only,
@@ -158,7 +158,8 @@ class PostgresJournalStore:
         sat idle in the pool): did the write commit? While this runner still holds the
         session, no other can have written to it since, so the session's state says. True:
         it did not, send it again; False: it did. Where that cannot be told (the session is
-        no longer held), the write fails as it would have (503), its outcome unknown."""
+        no longer held: WriteOutcomeUnknown) the journal may take the session again and
+        tell; a database that cannot be asked is a 503, the write's outcome unknown."""
         params = {"session_id": write.session_id, "run_id": write.run_id, **write.fence}
         try:
             state = await self._fetch(
@@ -166,8 +167,10 @@ class PostgresJournalStore:
             )
         except (_ConnectionLost, DatabaseUnavailable):
             raise unavailable(lost.error) from lost.error
-        if state is None or not state["owned"]:
+        if state is None:
             raise unavailable(lost.error) from lost.error
+        if not state["owned"]:
+            raise WriteOutcomeUnknown(lost.error) from lost.error
         if write.messages:
             committed = state["count"] == write.new_count
         elif write.new_run is not None:

@@ -40,12 +40,23 @@ class JournalWrite:
         return self.expected + len(self.messages)
 
 
+class WriteOutcomeUnknown(Exception):
+    """A write's connection ended under it while the session's hold ended too (the lock
+    connection with it), so the stored state could not say whether it committed: another
+    runner may have written since. `error` is the connection's."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(type(error).__name__)
+        self.error = error
+
+
 class JournalStore(Protocol):
     # Called after each commit with the number of statements it held (the bench counts).
     observers: list[Callable[[int], None]]
 
     async def write(self, write: JournalWrite) -> None:
-        """Commit the write, or raise SessionConflict having written nothing."""
+        """Commit the write, or raise SessionConflict having written nothing (or
+        WriteOutcomeUnknown, not knowing which)."""
         ...
 
     async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:

@@ -1,13 +1,14 @@
 """PostgreSQL: a durable write whose connection ends under it (the server or a proxy ending
 it, a backend terminated) has an unknown outcome. While the runner still holds the session it
 is told from the stored state: committed, it is done; not, it is sent again on a new
-connection. Where the session is no longer held it fails (503) as before, its outcome left
-to the resume."""
+connection. Where the session is no longer held (the lock connection ended too) it is taken
+again if nobody else holds it and its state is the write's before or after, and told the
+same way; otherwise it fails (503), its outcome left to the resume."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from typing import Any
 
 import asyncpg
@@ -109,14 +110,10 @@ async def runner(database_url: str) -> AsyncIterator[PostgresOwnership]:
         await ownership.stop()
 
 
-async def test_without_the_session_held_the_outcome_is_left_unknown(
-    db: Database, metrics: Metrics, database_url: str, runner: PostgresOwnership
-) -> None:
-    # The lock connection ends with the write's: no stored state can be trusted to say
-    # whether the write committed (another runner may have written since), so it fails.
-    journal = journal_on(db, metrics, ownership=runner)
+def _lose_the_lock(runner: PostgresOwnership, database_url: str) -> Callable[[], Awaitable[None]]:
+    """End the runner's lock connection (and with it its hold on every session)."""
 
-    async def lose_the_lock() -> None:
+    async def lose() -> None:
         pid = runner.fence_params(SESSION)["fence_pid"]
         admin = await asyncpg.connect(asyncpg_dsn(database_url))
         try:
@@ -124,11 +121,49 @@ async def test_without_the_session_held_the_outcome_is_left_unknown(
         finally:
             await admin.close()
 
+    return lose
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["committed", "never-ran"])
+async def test_with_the_hold_lost_too_the_session_is_taken_again_and_the_write_stored_once(
+    db: Database, metrics: Metrics, database_url: str, runner: PostgresOwnership, runs: bool
+) -> None:
+    # The lock connection ends with the write's: the write failed (503), though nobody else
+    # had taken the session and its state still told whether the write had committed.
+    journal = journal_on(db, metrics, ownership=runner)
     async with runner.hold(SESSION):
         turn = await start(journal, "buy it")
-        with (
-            next_statement_loses_its_connection(runs=False, before=lose_the_lock),
-            pytest.raises(DatabaseUnavailable),
+        with next_statement_loses_its_connection(
+            runs=runs, before=_lose_the_lock(runner, database_url)
         ):
             await journal.record_step(turn, Message.assistant("on it", CALLS))
+        assert shape((await read(db, turn.run_id)).history) == STEP
+        await runner.check(SESSION)  # held again
+        await journal.record_results(turn, results_for(*CALLS))
+    assert len((await read(db, turn.run_id)).history) == 4
+
+
+async def test_with_the_session_taken_by_another_runner_meanwhile_the_outcome_is_left_unknown(
+    db: Database, metrics: Metrics, database_url: str, runner: PostgresOwnership
+) -> None:
+    # Another runner holds the session once the lock connection has ended: the stored state
+    # cannot be trusted to say whether the write committed (that runner may write), so the
+    # write fails and the resume decides.
+    journal = journal_on(db, metrics, ownership=runner)
+    other = PostgresOwnership(database_url, heartbeat_s=0.5, takeover_after_s=3)
+    await other.start()
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(other.stop)
+
+        async def lose_the_session() -> None:
+            await _lose_the_lock(runner, database_url)()
+            await stack.enter_async_context(other.hold(SESSION))
+
+        async with runner.hold(SESSION):
+            turn = await start(journal, "buy it")
+            with (
+                next_statement_loses_its_connection(runs=False, before=lose_the_session),
+                pytest.raises(DatabaseUnavailable),
+            ):
+                await journal.record_step(turn, Message.assistant("on it", CALLS))
     assert (await read(db, turn.run_id)).history == []

@@ -163,51 +163,40 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
         server.kill()
 
 
+LOCK_CONNECTION = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
+
+
+@pytest.mark.parametrize(
+    ("also", "logged"),
+    [
+        # The server still holds the session, so the stored state tells it the write did not
+        # commit: it is sent again, and goes through once the row is free.
+        ("", "had not committed: sent again"),
+        # The lock connection ends too (backends ended, a network path lost): nobody took the
+        # session, so the turn takes it again and finds it as the write left it before. The
+        # turn answered 503 here, and the post that was made became a durability error.
+        (LOCK_CONNECTION, "taken again, the write had not committed: sent again"),
+    ],
+    ids=["session-held", "hold-lost-too"],
+)
 def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goes_on(
     database_url: str,
     pg_admin: Callable[..., None],
     agents_server: AgentsServer,
     tool_server: ToolServer,
+    also: str,
+    logged: str,
 ) -> None:
     server = agents_server(database_url=database_url).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = _turn_in_flight(pool, client, tool_server)
-            # The server still holds the session, so the stored state tells it the write did
-            # not commit: it is sent again, and goes through once the row is free.
-            with _write_2_ended_while_waiting(database_url, pg_admin, tool_server) as row:
-                wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
-            _kept_its_result(in_flight.result(timeout=30), client, tool_server)
-        assert "had not committed: sent again" in server.logs()
-    finally:
-        server.kill()
-
-
-LOCK_CONNECTION = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
-
-
-def test_a_write_whose_connection_dies_with_the_sessions_hold_takes_it_again_and_goes_on(
-    database_url: str,
-    pg_admin: Callable[..., None],
-    agents_server: AgentsServer,
-    tool_server: ToolServer,
-) -> None:
-    # Write #2's connection and the lock connection end together (backends ended, a network
-    # path lost): the stored state could not say whether the write committed, since another
-    # runner might have written once the session was free. The turn answered 503, and the
-    # post that was made became a durability error on resume.
-    server = agents_server(database_url=database_url).start()
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
-            in_flight = _turn_in_flight(pool, client, tool_server)
-            # Nobody took the session: the turn takes it again, finds the session as the write
-            # left it before, and sends the write again (it waits for the row meanwhile).
             with _write_2_ended_while_waiting(
-                database_url, pg_admin, tool_server, also=LOCK_CONNECTION
+                database_url, pg_admin, tool_server, also=also
             ) as row:
                 wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
             _kept_its_result(in_flight.result(timeout=30), client, tool_server)
-        assert "taken again, the write had not committed: sent again" in server.logs()
+        assert logged in server.logs()
     finally:
         server.kill()
 

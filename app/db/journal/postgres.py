@@ -115,12 +115,23 @@ class PostgresJournalStore:
     async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
         params = {"session_id": session_id, "run_id": run_id}
         try:
-            row = await self._fetch(
-                self._stored.sql, self._stored.args(params), None, patient=True, row=True
-            )
+            row = await self._read(self._stored, params, patient=True)
         except _ConnectionLost as lost:
             raise unavailable(lost.error) from lost.error
         return row["count"], row["status"]
+
+    async def _read(self, statement: _Statement, params: dict[str, Any], *, patient: bool) -> Any:
+        """The statement's one row; read once more on a new connection if its connection
+        ended under it (as the write's own often has a moment before: the server or a proxy
+        ending several at once). A read may run twice."""
+        try:
+            return await self._fetch(
+                statement.sql, statement.args(params), None, patient=patient, row=True
+            )
+        except _ConnectionLost:
+            return await self._fetch(
+                statement.sql, statement.args(params), None, patient=patient, row=True
+            )
 
     async def write(self, write: JournalWrite) -> None:
         shape = _Shape(
@@ -162,9 +173,7 @@ class PostgresJournalStore:
         tell; a database that cannot be asked is a 503, the write's outcome unknown."""
         params = {"session_id": write.session_id, "run_id": write.run_id, **write.fence}
         try:
-            state = await self._fetch(
-                self._state.sql, self._state.args(params), None, patient=patient, row=True
-            )
+            state = await self._read(self._state, params, patient=patient)
         except (_ConnectionLost, DatabaseUnavailable):
             raise unavailable(lost.error) from lost.error
         if state is None:

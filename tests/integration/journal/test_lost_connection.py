@@ -42,32 +42,45 @@ STEP = [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
 
 @contextmanager
 def next_statement_loses_its_connection(
-    *, runs: bool, before: Callable[[], Awaitable[None]] | None = None
+    *, runs: bool, before: Callable[[], Awaitable[None]] | None = None, reads_too: int = 0
 ) -> Iterator[list[str]]:
     """The next statement sent on any asyncpg connection of this process ends its connection:
     after the server `runs` it (its answer lost), or before it is sent. `before` runs first.
-    Yields the statements so ended."""
-    real = asyncpg.Connection.fetchval
+    So do the next `reads_too` single-row reads after it, before they are sent. Yields the
+    statements so ended."""
+    real_fetchval, real_fetchrow = asyncpg.Connection.fetchval, asyncpg.Connection.fetchrow
     ended: list[str] = []
+
+    def lost(conn: asyncpg.Connection) -> BaseException:
+        conn.terminate()
+        error: BaseException = asyncpg.ConnectionDoesNotExistError(
+            "connection was closed in the middle of operation"
+        )
+        return error
 
     async def fetchval(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
         if ended:
-            return await real(self, query, *args, **kwargs)
+            return await real_fetchval(self, query, *args, **kwargs)
         ended.append(query)
         if before is not None:
             await before()
         if runs:
-            await real(self, query, *args, **kwargs)
-        self.terminate()
-        raise asyncpg.ConnectionDoesNotExistError(
-            "connection was closed in the middle of operation"
-        )
+            await real_fetchval(self, query, *args, **kwargs)
+        raise lost(self)
+
+    async def fetchrow(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+        if not ended or len(ended) > reads_too:
+            return await real_fetchrow(self, query, *args, **kwargs)
+        ended.append(query)
+        raise lost(self)
 
     asyncpg.Connection.fetchval = fetchval
+    asyncpg.Connection.fetchrow = fetchrow
     try:
         yield ended
     finally:
-        asyncpg.Connection.fetchval = real
+        asyncpg.Connection.fetchval = real_fetchval
+        asyncpg.Connection.fetchrow = real_fetchrow
 
 
 @pytest.mark.parametrize("runs", [True, False], ids=["committed", "never-ran"])
@@ -85,6 +98,19 @@ async def test_a_write_whose_connection_ended_is_stored_once(
     # The turn goes on: its next write finds the count it expects.
     await journal.record_results(turn, results_for(*CALLS))
     assert len((await read(db, turn.run_id)).history) == 4
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["committed", "never-ran"])
+async def test_a_write_whose_connection_ended_is_told_though_the_first_look_lost_its_own(
+    db: Database, journal: DurableJournal, runs: bool
+) -> None:
+    # The server or a proxy ends several connections at once: the read that tells whether
+    # the write committed lost its connection too, and the write answered 503.
+    turn = await start(journal, "buy it")
+    with next_statement_loses_its_connection(runs=runs, reads_too=1) as ended:
+        await journal.record_step(turn, Message.assistant("on it", CALLS))
+    assert len(ended) == 2
+    assert shape((await read(db, turn.run_id)).history) == STEP
 
 
 async def test_a_started_turn_whose_start_record_was_committed_is_not_started_twice(

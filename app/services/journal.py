@@ -63,6 +63,14 @@ class Turn:
             "output_tokens": self.usage.output_tokens,
         }
 
+    def stored_state(self) -> tuple[int | None, str | None]:
+        """The session's message count and this run's status as this turn last stored them
+        (None: no such row yet), in the form of JournalStore.stored."""
+        return (
+            self.stored_count if self.session_exists else None,
+            RunStatus.RUNNING.value if self.run_stored else None,
+        )
+
 
 @dataclass(frozen=True)
 class RunEnd:
@@ -166,16 +174,7 @@ class DurableJournal(Journal):
         nothing stored to the session since this turn's last write. Another runner's turn
         on it would have moved its message count or, from its start record on, marked this
         turn's run `interrupted`. The turn then goes on, its results kept."""
-        session_id = turn.session_id
-        assert session_id is not None
-
-        async def unchanged() -> bool:
-            count, status = await self._store.stored(session_id, turn.run_id)
-            return count == (turn.stored_count if turn.session_exists else None) and status == (
-                RunStatus.RUNNING.value if turn.run_stored else None
-            )
-
-        if not await self._ownership.retake(session_id, unchanged):
+        if await self._taken_again(turn, turn.stored_state()) is None:
             return False
         log.warning(
             "the session's hold ended with the ownership connection; taken again,"
@@ -183,34 +182,41 @@ class DurableJournal(Journal):
         )
         return True
 
-    async def _settled(self, write: JournalWrite) -> bool:
-        """After a write whose outcome is unknown (its connection and the session's hold
-        ended together: a backend or the network, not the database): whether the session is
-        taken again, nobody holding it and its stored state either this write's before or
-        its after, and the write then stored (sent again if it had not committed). Any other
-        state is another runner's doing (a turn's start marks this run `interrupted`)."""
-        before = (
-            None if write.new_session is not None else write.expected,
-            None if write.new_run is not None else RunStatus.RUNNING.value,
-        )
+    async def _settled(self, turn: Turn, write: JournalWrite) -> bool:
+        """After the turn's write whose outcome is unknown (its connection and the session's
+        hold ended together: a backend or the network, not the database): whether the session
+        is taken again, its stored state either the one before this write (as `_regained`
+        asks) or the one after it, and the write then stored (sent again if it had not
+        committed). Any other state is another runner's doing."""
         after = (write.new_count, (write.run_values or {}).get("status", RunStatus.RUNNING.value))
-        committed: list[bool] = []
-
-        async def before_or_after() -> bool:
-            state = await self._store.stored(write.session_id, write.run_id)
-            if state in (before, after):
-                committed.append(state != before)  # both (a run update): send it again
-            return bool(committed)
-
-        if not await self._ownership.retake(write.session_id, before_or_after):
+        # Before and after alike (a run update that leaves the status): it is sent again.
+        found = await self._taken_again(turn, turn.stored_state(), after)
+        if found is None:
             return False
+        committed = found == 1
         log.warning(
             "the session's hold ended with a durable write's connection; taken again, the write %s",
-            "had committed" if committed[0] else "had not committed: sent again",
+            "had committed" if committed else "had not committed: sent again",
         )
-        if not committed[0]:
+        if not committed:
             await self._send_again(write)
         return True
+
+    async def _taken_again(self, turn: Turn, *states: tuple[int | None, str | None]) -> int | None:
+        """Take the turn's session again if no other runner holds it and its stored state
+        (message count, this run's status) is one of `states`: the index of the first it is,
+        or None (the session not taken)."""
+        session_id = turn.session_id
+        assert session_id is not None
+        found: list[int] = []
+
+        async def expected() -> bool:
+            state = await self._store.stored(session_id, turn.run_id)
+            if state in states:
+                found.append(states.index(state))
+            return bool(found)
+
+        return found[0] if await self._ownership.retake(session_id, expected) else None
 
     async def _send_again(self, write: JournalWrite) -> None:
         """The write once more, on the session taken again (as the store sends a write again:
@@ -323,7 +329,7 @@ class DurableJournal(Journal):
                 raise
             await self._send_again(write)
         except WriteOutcomeUnknown as unknown:
-            if not await self._settled(write):
+            if not await self._settled(turn, write):
                 raise unavailable(unknown.error) from unknown.error
         turn.stored_count += len(batch)
         turn.session_exists = True

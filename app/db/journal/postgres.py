@@ -22,6 +22,7 @@ from app.db.journal.sql import (
     MESSAGE_COLUMNS,
     RUN_COLUMNS,
     SESSION_COLUMNS,
+    STORED_COLUMNS,
     claim_sql,
     interrupted_sql,
     run_update_sql,
@@ -104,13 +105,9 @@ class PostgresJournalStore:
     _stored: _Statement = field(init=False)
 
     def __post_init__(self) -> None:
-        stored = (
-            "(SELECT message_count FROM session WHERE id = :session_id) AS count,"
-            " (SELECT status FROM run WHERE id = :run_id) AS status"
-        )
-        self._stored = _Statement.of(f"SELECT {stored}")
+        self._stored = _Statement.of(f"SELECT {STORED_COLUMNS}")
         # What tells whether a write whose connection died had committed (`_resend_after`).
-        self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {stored}")
+        self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {STORED_COLUMNS}")
 
     async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
         params = {"session_id": session_id, "run_id": run_id}

@@ -63,6 +63,14 @@ JSON_COLUMNS = frozenset(
 )
 
 
+# JournalStore.stored: the session's message count and a run's status, as the columns of one
+# row (NULL: no such row).
+STORED_COLUMNS = (
+    "(SELECT message_count FROM session WHERE id = :session_id) AS count,"
+    " (SELECT status FROM run WHERE id = :run_id) AS status"
+)
+
+
 def claim_sql(fence_sql: str, row_fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
     from `:expected` to `:new_count` — only while the fence holds (on the row: see

@@ -10,6 +10,7 @@ from app.db import models
 from app.db.journal.sql import (
     MESSAGE_COLUMNS,
     RUN_COLUMNS,
+    STORED_COLUMNS,
     claim_sql,
     interrupted_sql,
     run_update_sql,
@@ -81,11 +82,9 @@ class SqliteJournalStore:
 
     async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
         def read(driver: sqlite3.Connection) -> tuple[int | None, str | None]:
-            count = driver.execute(
-                "SELECT message_count FROM session WHERE id = ?", (session_id,)
-            ).fetchone()
-            status = driver.execute("SELECT status FROM run WHERE id = ?", (run_id,)).fetchone()
-            return (count[0] if count else None), (status[0] if status else None)
+            params = {"session_id": session_id, "run_id": run_id}
+            count, status = driver.execute(f"SELECT {STORED_COLUMNS}", params).fetchone()
+            return count, status
 
         return await self._writes.transact_driver(read)
 

@@ -8,11 +8,14 @@ import sqlite3
 import asyncpg
 import pytest
 
+from app.db.journal import journal_store
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, Usage
 from app.errors import SessionConflict
+from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.services.journal import DurableJournal, RunEnd
+from app.services.ownership import LocalOwnership
 from tests.integration.journal.support import (
     CALLS,
     SESSION,
@@ -62,6 +65,19 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
         False,
     )
     assert write_counts(metrics) == {"start": 1}
+
+
+async def test_the_store_reports_the_stored_count_and_run_status(db: Database) -> None:
+    # What a re-take compares with the turn's own account (Turn.stored_state).
+    ownership = LocalOwnership()
+    store = journal_store(db, ownership.fence_sql, ownership.row_fence_sql)
+    journal = DurableJournal(store, Failpoints.parse(None), ownership, Metrics())
+    assert await store.stored(SESSION, "no-such-run") == (None, None)
+    turn = await start(journal, "buy it")
+    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    assert await store.stored(SESSION, turn.run_id) == (2, RunStatus.RUNNING.value)
+    assert await store.stored(SESSION, turn.run_id) == turn.stored_state()
+    assert await store.stored(SESSION, "no-such-run") == (2, None)
 
 
 async def test_the_first_step_writes_user_and_assistant_together(

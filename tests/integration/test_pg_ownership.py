@@ -182,7 +182,7 @@ async def test_a_session_taken_again_on_a_connection_that_then_ended_is_not_held
     admin = await asyncpg.connect(asyncpg_dsn(database_url))
 
     async def end_the_lock_connection() -> None:
-        pid = ownership.fence_params("s-again")["fence_pid"]
+        pid = ownership.lock_pid
         assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
 
     async def unchanged_but_lost_again() -> bool:
@@ -208,6 +208,35 @@ async def _unchanged() -> bool:
     return True
 
 
+async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken_on(
+    ownership: PostgresOwnership, database_url: str
+) -> None:
+    # The fence names the token of the connection that took the session's lock, not the
+    # current one: after that connection ends, the new one is alive (its own token held)
+    # but holds no lock of the session's until it takes it again.
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+
+    async def fenced(session_id: str) -> bool:
+        sql = ownership.fence_sql.replace(":token_hi", "$1").replace(":token_lo", "$2")
+        params = ownership.fence_params(session_id)
+        return bool(await admin.fetchval(f"SELECT {sql}", params["token_hi"], params["token_lo"]))
+
+    try:
+        assert await fenced("s-fenced") is False  # not held
+        async with ownership.hold("s-fenced"), ownership.hold("s-other"):
+            assert await fenced("s-fenced") is True
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ownership.lock_pid)
+            assert await fenced("s-fenced") is False
+            await ownership.ping()  # a new lock connection, holding no session
+            assert await fenced("s-fenced") is False
+            assert await ownership.retake("s-fenced", _unchanged) is True
+            assert await fenced("s-fenced") is True
+            assert await fenced("s-other") is False  # not taken again
+        assert await fenced("s-fenced") is False
+    finally:
+        await admin.close()
+
+
 async def test_a_statement_on_a_lock_connection_the_server_ended_unseen_is_sent_again(
     ownership: PostgresOwnership, database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,7 +245,7 @@ async def test_a_statement_on_a_lock_connection_the_server_ended_unseen_is_sent_
     # the database was up.
     admin = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        ended = ownership.fence_params("s-unseen")["fence_pid"]
+        ended = ownership.lock_pid
         assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ended)
     finally:
         await admin.close()
@@ -233,5 +262,5 @@ async def test_a_statement_on_a_lock_connection_the_server_ended_unseen_is_sent_
     assert await ownership.is_held("s-unseen") is False
     assert staged
     async with ownership.hold("s-unseen"):
-        assert ownership.fence_params("s-unseen")["fence_pid"] != ended
+        assert ownership.lock_pid != ended
         await ownership.check("s-unseen")

@@ -111,7 +111,7 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
 
 
 def drop_lock_connections(database_url: str) -> int:
-    """Terminate the backends holding advisory locks in the test database (a partition)."""
+    """Terminate the backends holding session locks in the test database (a partition)."""
 
     async def run() -> int:
         conn = await asyncpg.connect(database_url)
@@ -119,7 +119,7 @@ def drop_lock_connections(database_url: str) -> int:
             rows = await conn.fetch(
                 """
                 SELECT pg_terminate_backend(pid) FROM pg_locks
-                WHERE locktype = 'advisory' AND granted
+                WHERE locktype = 'advisory' AND granted AND objsubid = 1
                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
                 """
             )

@@ -47,7 +47,7 @@ async def two_runners(
     admin = await asyncpg.connect(asyncpg_dsn(database_url))
 
     async def lose_a() -> None:
-        pid = a.fence_params(SESSION)["fence_pid"]
+        pid = a.lock_pid
         # With a timeout, pg_terminate_backend waits for the backend (and its lock) to go.
         assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)
 

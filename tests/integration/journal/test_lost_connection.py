@@ -140,7 +140,7 @@ def _lose_the_lock(runner: PostgresOwnership, database_url: str) -> Callable[[],
     """End the runner's lock connection (and with it its hold on every session)."""
 
     async def lose() -> None:
-        pid = runner.fence_params(SESSION)["fence_pid"]
+        pid = runner.lock_pid
         admin = await asyncpg.connect(asyncpg_dsn(database_url))
         try:
             assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", pid)

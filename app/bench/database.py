@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -192,6 +193,26 @@ def _execute(database_url: str, sql: str, what: str) -> None:
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         log.warning("could not %s: %s", what, exc)
         raise BenchError(f"could not {what}: {exc}") from exc
+
+
+@asynccontextmanager
+async def others_held(
+    database_url: str, count: int
+) -> AsyncIterator[Callable[[bool], Awaitable[None]]]:
+    """On one connection of its own, `hold(True)` takes `count` session-level advisory locks
+    on random bigint keys, as many running sessions' owners hold theirs, and `hold(False)`
+    lets them go (PostgreSQL)."""
+    conn = await pg_connector(database_url)()
+    keys = [secrets.randbits(64) - 2**63 for _ in range(count)]
+    verb = {True: "pg_advisory_lock", False: "pg_advisory_unlock"}
+
+    async def hold(held: bool) -> None:
+        await conn.execute(f"SELECT {verb[held]}(k) FROM unnest($1::bigint[]) AS k", keys)
+
+    try:
+        yield hold
+    finally:
+        await conn.close()  # lets go of whatever it holds
 
 
 async def commit_floor(db: Database, store: JournalStore, options: BenchOptions) -> Stats:

@@ -93,6 +93,18 @@ class LongSession:
 
 
 @dataclass(frozen=True)
+class Crowded:
+    """Durable sessions with and without `others` sessions' locks held on the database (as
+    other replicas' running turns hold them), interleaved; a step's cost should not grow
+    with them."""
+
+    others: int
+    alone_ms: Stats
+    crowded_ms: Stats
+    ms_per_step: float  # (crowded - alone) / steps
+
+
+@dataclass(frozen=True)
 class CommitFloor:
     """`transactions` bare INSERT+COMMIT transactions; ratio = durable overhead / floor."""
 
@@ -132,6 +144,7 @@ class ServiceFigures:
     long_session: LongSession
     commit_floor: CommitFloor
     side_effects: SideEffectCount
+    crowded: Crowded | None = None  # PostgreSQL only
 
 
 @dataclass(frozen=True)
@@ -276,6 +289,7 @@ def render(report: Report) -> str:
         "",
         *_throughput_rows(report.service.throughput),
         "",
+        *_crowded_rows(report.service.crowded),
         *_long_session_rows(report.service.long_session),
         "",
         _row("peak RSS of the bench process, MB", f"{report.peak_rss_mb:.1f}"),
@@ -347,6 +361,19 @@ def _throughput_rows(rate: Throughput) -> list[str]:
             f"{rate.sessions_per_s:.1f}",
             f"({rate.sessions} sessions in {rate.seconds:.2f} s)",
         ),
+    ]
+
+
+def _crowded_rows(crowded: Crowded | None) -> list[str]:
+    if crowded is None:
+        return []
+    return [
+        f"other sessions held: {crowded.others:,} sessions' locks held meanwhile, on another"
+        " connection",
+        _stats_rows("durable session, ms, none held", crowded.alone_ms),
+        _stats_rows(f"durable session, ms, {crowded.others:,} held", crowded.crowded_ms),
+        _row("difference per step, ms", f"{crowded.ms_per_step:.3f}"),
+        "",
     ]
 
 

@@ -13,9 +13,16 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from app.bench.database import TransactionCounter, commit_floor, database_version, stored_bytes
+from app.bench.database import (
+    TransactionCounter,
+    commit_floor,
+    database_version,
+    others_held,
+    stored_bytes,
+)
 from app.bench.report import (
     CommitFloor,
+    Crowded,
     LongSession,
     ServiceFigures,
     Sessions,
@@ -184,6 +191,33 @@ async def long_session(rig: Rig, database_url: str, steps: int) -> LongSession:
     )
 
 
+# Sessions whose locks another connection holds for `crowded`: a few replicas' worth of
+# running turns, well inside PostgreSQL's default lock table (64 x max_connections).
+OTHER_SESSIONS = 1000
+
+
+async def crowded(rig: Rig, database_url: str, options: BenchOptions) -> Crowded | None:
+    """Durable sessions alone and with OTHER_SESSIONS other sessions' locks held meanwhile,
+    interleaved (PostgreSQL; None on SQLite, where one process holds every session)."""
+    if rig.db.dialect != "postgresql":
+        return None
+    alone: list[float] = []
+    among: list[float] = []
+    async with others_held(database_url, OTHER_SESSIONS) as hold:
+        for index in range(options.warmup + options.sessions):
+            ms_alone, _ = await rig.session(durable=True, steps=options.steps)
+            await hold(True)
+            try:
+                ms_among, _ = await rig.session(durable=True, steps=options.steps)
+            finally:
+                await hold(False)
+            if index >= options.warmup:
+                alone.append(ms_alone)
+                among.append(ms_among)
+    a, b = Stats.of(alone), Stats.of(among)
+    return Crowded(OTHER_SESSIONS, a, b, (b.median - a.median) / options.steps)
+
+
 def check_side_effects(expected: int) -> SideEffectCount:
     """post_slack's count since SLACK was reset; fails loudly unless each of the `expected`
     calls ran exactly once."""
@@ -207,6 +241,7 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         # once when writers queue for it, and the long session's rows would fill those.
         long = await long_session(rig, database_url, options.long_steps)
         rate = await throughput(rig, options)
+        others = await crowded(rig, database_url, options)
         floor = await commit_floor(rig.db, rig.service.store, options)
         version = await database_version(rig.db)
     finally:
@@ -220,5 +255,6 @@ async def measure_service(database_url: str, options: BenchOptions) -> tuple[Ser
         long_session=long,
         commit_floor=CommitFloor(durable_writes(options.steps), floor, overhead / floor.median),
         side_effects=side_effects,
+        crowded=others,
     )
     return figures, version

@@ -192,6 +192,14 @@ def test_bench_runs_the_two_step_scenario(database_url: str, backend: str) -> No
     # Each step stores at least its 200-character text and get_issue's 196-byte result.
     assert long["bytes_stored"] >= (200 + ISSUE_BYTES) * LONG_STEPS
     assert service["commit_floor"]["transactions"] == 2 * STEPS + 1
+    # Sessions with other sessions' locks held meanwhile: PostgreSQL's lock table is shared.
+    crowded = service["crowded"]
+    if backend == "sqlite":
+        assert crowded is None
+    else:
+        assert crowded["others"] == 1000
+        assert crowded["alone_ms"]["n"] == crowded["crowded_ms"]["n"] == 3
+        assert isinstance(crowded["ms_per_step"], float)
     assert report["peak_rss_mb"] > 0
     names = {t["name"] for t in report["targets"]}
     assert {

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,8 +327,7 @@ class RunService:
                 raise RunNotFound(run_id)
             check_session_access(owner, tenant_id=tenant_id, user_id=user_id, for_turn=False)
             rows = await MessageRepository(session).for_run(owner.key, run_id)
-        held = await self.ownership.is_held(run.session_id)
-        summary = run_summary(run, held=held)
+        summary = run_summary(run, held=await running_held(self.ownership, run.session_id, [run]))
         messages = [MessageRead.of(row_to_message(r)) for r in rows]
         return RunRead(**dict(summary), messages=messages)
 
@@ -377,6 +377,14 @@ async def _goes_on(messages: MessageRepository, session_key: int, earlier: model
     return earlier.status == RunStatus.INTERRUPTED.value and not await messages.overtaken(
         session_key, earlier.id
     )
+
+
+async def running_held(ownership: Ownership, session_id: str, runs: Sequence[models.Run]) -> bool:
+    """Whether the session's owner is alive, asked only where one of its `runs` is stored
+    `running` (`run_summary` needs it for no other): on PostgreSQL a statement on the lock
+    connection, which every turn's start and end waits for too."""
+    running = any(r.status == RunStatus.RUNNING.value for r in runs)
+    return running and await ownership.is_held(session_id)
 
 
 def run_summary(run: models.Run, *, held: bool) -> RunSummary:

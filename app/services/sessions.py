@@ -28,7 +28,7 @@ from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, n
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
-from app.services.runs import run_summary
+from app.services.runs import run_summary, running_held
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class SessionService:
                 after=decode_cursor(after, listing=runs_list) if after else None,
                 limit=limit + 1,
             )
-        held = await self.ownership.is_held(session_id)
+        held = await running_held(self.ownership, session_id, rows[:limit])
         data = [run_summary(r, held=held) for r in rows[:limit]]
         cursor = next_after(
             rows, limit, lambda r: encode_cursor(r.created_at, r.id, listing=runs_list)

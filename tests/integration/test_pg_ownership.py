@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from app.db.session import Database
@@ -23,6 +24,7 @@ from app.schemas.runs import RunCreate
 from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
+from app.services.sessions import SessionService
 from app.tools.agents_file import load_registry
 from tests.ops.proxy import TcpProxy
 
@@ -99,6 +101,40 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
         monkeypatch.setattr(ownership, "_unlock", unlock)
         again = await service.create(body, tenant_id=None)
         assert again.run.status is RunStatus.COMPLETE
+    finally:
+        await registry.aclose()
+        await db.dispose()
+
+
+async def test_a_finished_run_is_read_without_asking_the_lock_connection(
+    database_url: str, ownership: PostgresOwnership
+) -> None:
+    # Whether a session's owner is alive matters only to a run stored `running`; a finished
+    # run's GET sent a statement on the replica's one lock connection all the same, in line
+    # with every turn's start and end, and answered 503 while that connection was down.
+    db = await Database.connect(database_url, pool_size=2)
+    registry = load_registry(None)  # the example agents, on scripted models
+    metrics = Metrics()
+    runner = AgentRunner(llm=ScriptedLLMClient(), registry=registry, metrics=metrics)
+    service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
+    sessions = SessionService(db, ownership, metrics)
+    body = RunCreate(agent="support", message="where is my order?", session_id="s-read")
+    try:
+        done = (await service.create(body, tenant_id=None)).run
+        sent = ownership.statements
+        got = await service.get(done.run_id, tenant_id=None)
+        page = await sessions.runs("s-read", tenant_id=None, user_id=None, after=None, limit=10)
+        assert ownership.statements == sent
+        assert got.status is RunStatus.COMPLETE
+        assert [r.status for r in page.data] == [RunStatus.COMPLETE]
+        # A run stored `running` whose owner is gone reads `interrupted`: that one asks.
+        async with db.engine.begin() as conn:
+            await conn.execute(text("UPDATE run SET status = 'running'"))
+        got = await service.get(done.run_id, tenant_id=None)
+        page = await sessions.runs("s-read", tenant_id=None, user_id=None, after=None, limit=10)
+        assert ownership.statements == sent + 2
+        assert got.status is RunStatus.INTERRUPTED
+        assert [r.status for r in page.data] == [RunStatus.INTERRUPTED]
     finally:
         await registry.aclose()
         await db.dispose()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -65,6 +66,23 @@ async def test_a_holder_whose_last_beat_is_past_half_the_takeover_time_dispatche
             await ownership.check("s-late")
 
 
+@asynccontextmanager
+async def example_services(
+    database_url: str, ownership: PostgresOwnership
+) -> AsyncIterator[tuple[Database, RunService, SessionService]]:
+    """The run and session services on the example agents (scripted models), on `ownership`."""
+    db = await Database.connect(database_url, pool_size=2)
+    registry = load_registry(None)
+    metrics = Metrics()
+    runner = AgentRunner(llm=ScriptedLLMClient(), registry=registry, metrics=metrics)
+    service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
+    try:
+        yield db, service, SessionService(db, ownership, metrics)
+    finally:
+        await registry.aclose()
+        await db.dispose()
+
+
 async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
     database_url: str, ownership: PostgresOwnership, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -72,11 +90,6 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
     # while releasing its session (a round trip here) had already stored its turn, and was
     # answered 503 "shut down before the run finished": its client ran the turn again.
     # (Staged here: a release that takes a while; over HTTP the window is milliseconds.)
-    db = await Database.connect(database_url, pool_size=2)
-    registry = load_registry(None)  # the example agents, on scripted models
-    metrics = Metrics()
-    runner = AgentRunner(llm=ScriptedLLMClient(), registry=registry, metrics=metrics)
-    service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
     releasing = asyncio.Event()
     unlock = ownership._unlock
 
@@ -87,7 +100,7 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
 
     monkeypatch.setattr(ownership, "_unlock", slow_unlock)
     body = RunCreate(agent="support", message="where is my order?", session_id="s-cut")
-    try:
+    async with example_services(database_url, ownership) as (_, service, _):
         turn = asyncio.create_task(service.create(body, tenant_id=None))
         await releasing.wait()
         turn.cancel()
@@ -101,9 +114,6 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
         monkeypatch.setattr(ownership, "_unlock", unlock)
         again = await service.create(body, tenant_id=None)
         assert again.run.status is RunStatus.COMPLETE
-    finally:
-        await registry.aclose()
-        await db.dispose()
 
 
 async def test_a_finished_run_is_read_without_asking_the_lock_connection(
@@ -112,14 +122,8 @@ async def test_a_finished_run_is_read_without_asking_the_lock_connection(
     # Whether a session's owner is alive matters only to a run stored `running`; a finished
     # run's GET sent a statement on the replica's one lock connection all the same, in line
     # with every turn's start and end, and answered 503 while that connection was down.
-    db = await Database.connect(database_url, pool_size=2)
-    registry = load_registry(None)  # the example agents, on scripted models
-    metrics = Metrics()
-    runner = AgentRunner(llm=ScriptedLLMClient(), registry=registry, metrics=metrics)
-    service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
-    sessions = SessionService(db, ownership, metrics)
     body = RunCreate(agent="support", message="where is my order?", session_id="s-read")
-    try:
+    async with example_services(database_url, ownership) as (db, service, sessions):
         done = (await service.create(body, tenant_id=None)).run
         sent = ownership.statements
         got = await service.get(done.run_id, tenant_id=None)
@@ -135,9 +139,6 @@ async def test_a_finished_run_is_read_without_asking_the_lock_connection(
         assert ownership.statements == sent + 2
         assert got.status is RunStatus.INTERRUPTED
         assert [r.status for r in page.data] == [RunStatus.INTERRUPTED]
-    finally:
-        await registry.aclose()
-        await db.dispose()
 
 
 async def test_a_lock_connection_that_stops_answering_is_dropped_not_waited_on(

@@ -192,7 +192,8 @@ class PostgresOwnership:
 
     @property
     def lock_pid(self) -> int:
-        """The backend pid of the current lock connection (-1 before the first)."""
+        """The backend pid of the current lock connection (-1 before the first): what an
+        administrator, or a test, ends to end this process's hold on its sessions."""
         return self._pid
 
     async def check(self, session_id: str) -> None:
@@ -313,8 +314,9 @@ class PostgresOwnership:
     async def _connection(self) -> asyncpg.Connection:
         """The lock connection, re-opened on demand (call with `_io` held).
 
-        A new connection holds no lock, and fences name its pid: runs that held sessions on the
-        old one keep failing their writes and checks.
+        A new connection holds a token of its own and no session's lock, and fences name the
+        token of the connection each session was taken on: runs that held sessions on the old
+        one keep failing their writes and checks until they take them again.
         """
         if self._conn is not None and self._conn.is_closed():
             log.warning("ownership connection lost; the sessions it held are to be taken again")

@@ -18,6 +18,11 @@ where asking `pg_locks` who holds the session's lock copies every lock of the se
 cost a write ~0.5 ms of server time per 1,000 sessions held). Before each tool dispatch
 `check` makes sure the lock connection is alive and answered a heartbeat recently, beating
 at once when the last one is late, so a runner resumed after a takeover dispatches nothing.
+
+Whether another runner holds a session (a session's status, a 409's search for the holder)
+is asked the same way: a try for a shared lock on the session's key, for one statement,
+fails only while a runner holds its lock. A turn taking the session at that very instant
+finds it refused by nobody (`_holder` sees no runner's lock) and tries again.
 """
 
 from __future__ import annotations
@@ -47,10 +52,13 @@ T = TypeVar("T")
 # runs again, before the lock connection is dropped (see `_answered_within`).
 LAST_LOOK_S = 0.1
 
-# A pg_locks row `l` that is a session lock: a granted advisory lock on a bigint key, which
-# pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1 (`_key_parts`).
-# A lock connection's token is a lock on two int4 keys: objsubid = 2.
-_SESSION_LOCK = "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+# A pg_locks row `l` that is a runner's session lock: a granted exclusive advisory lock on a
+# bigint key, which pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1
+# (`_key_parts`). A lock connection's token is a lock on two int4 keys: objsubid = 2; a shared
+# lock on a session's key is another replica's `HELD_AMONG_SQL`, over when its statement is.
+_SESSION_LOCK = (
+    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ExclusiveLock'"
+)
 
 # True while the lock connection whose token is (token_hi, token_lo) is alive: its session
 # lock on the token refuses the shared one asked for here. (Had it been granted, it lasts only
@@ -72,13 +80,13 @@ SESSION_LOCK_HELD = (
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
 
-# The (hi, lo) key parts, of those given as two arrays, whose session lock is held.
-HELD_AMONG_SQL = f"""
-    SELECT k.hi, k.lo FROM unnest($1::bigint[], $2::bigint[]) AS k(hi, lo)
-    WHERE EXISTS (
-        SELECT 1 FROM pg_locks l
-        WHERE {SESSION_LOCK_HELD} AND l.classid = k.hi::oid AND l.objid = k.lo::oid)
-"""
+# The session lock keys, of those given, that a runner holds: its lock refuses the shared one
+# asked for here, which is granted otherwise and lasts to the statement's end. (One lookup in
+# the lock table each; asking pg_locks would copy every lock of the server.) On the lock
+# connection, which is granted its own sessions' keys: ask only of sessions not held here.
+HELD_AMONG_SQL = (
+    "SELECT k FROM unnest($1::bigint[]) AS k WHERE NOT pg_try_advisory_xact_lock_shared(k)"
+)
 
 
 def lock_key(session_id: str) -> int:
@@ -163,7 +171,7 @@ class PostgresOwnership:
         await self.active.claim(session_id)
         try:
             key = lock_key(session_id)
-            token = await self._try_lock(key) or await self._take_over(key)
+            token = await self._take(key, from_stalled=True)
             if token is None:
                 raise SessionBusy(session_id, None)
             self._held[session_id] = token
@@ -218,7 +226,7 @@ class PostgresOwnership:
         try:
             async with self._io:
                 await self._connection()  # a new one counts the old one's sessions `_lost`
-            token = await self._try_lock(key) if session_id in self._lost else None
+            token = await self._take(key, from_stalled=False) if session_id in self._lost else None
         except ConnectionError:
             return False
         if token is None:
@@ -252,11 +260,10 @@ class PostgresOwnership:
 
     async def held_among(self, session_ids: Collection[str]) -> set[str]:
         held = {s for s in session_ids if self.active.holds(s)}
-        others = {_key_parts(lock_key(s)): s for s in session_ids if s not in held}
+        others = {lock_key(s): s for s in session_ids if s not in held}
         if others:
-            his, los = zip(*others, strict=True)
-            rows = await self._query(HELD_AMONG_SQL, list(his), list(los), result="rows")
-            held.update(others[(row["hi"], row["lo"])] for row in rows)
+            rows = await self._query(HELD_AMONG_SQL, list(others), result="rows")
+            held.update(others[row["k"]] for row in rows)
         return held
 
     async def _connect(self) -> None:
@@ -401,17 +408,24 @@ class PostgresOwnership:
             return None
         return int(row["pid"]), float(row["idle_s"] or 0.0)
 
-    async def _take_over(self, key: int) -> _Token | None:
-        """Take the lock from a holder that missed its heartbeats (`_try_lock`); None if it
-        is alive."""
+    async def _take(self, key: int, *, from_stalled: bool) -> _Token | None:
+        """The token of the lock connection that took the session's lock (`_try_lock`): at
+        once, once a refusal with no runner's lock to be seen is over, or (`from_stalled`)
+        from a holder that missed its heartbeats; None while a runner holds it.
+
+        Such a refusal is a holder letting the session go, a holder's backend exiting (it
+        was ended here, or by an administrator), or another replica asking whether the
+        session is held (`HELD_AMONG_SQL`: a shared lock for one statement)."""
+        if (token := await self._try_lock(key)) is not None:
+            return token
         holder = await self._holder(key)
         if holder is not None:
             pid, idle_s = holder
-            if idle_s < self._takeover_after_s:
+            if not from_stalled or idle_s < self._takeover_after_s:
                 return None
             log.warning("taking over a session from a stalled runner", extra={"pid": pid})
             await self._query("SELECT pg_terminate_backend($1)", pid)
-        # The terminated backend exits asynchronously; its locks go with it.
+        # An ended backend exits asynchronously; its locks go with it.
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             if (token := await self._try_lock(key)) is not None:

@@ -17,12 +17,12 @@ from sqlalchemy.engine import make_url
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
 from app.domain import RunStatus
-from app.errors import SessionConflict
+from app.errors import SessionBusy, SessionConflict
 from app.failpoints import Failpoints
 from app.llm.scripted import ScriptedLLMClient
 from app.metrics import Metrics
 from app.schemas.runs import RunCreate
-from app.services.pg_ownership import PostgresOwnership
+from app.services.pg_ownership import PostgresOwnership, lock_key
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService
@@ -271,6 +271,79 @@ async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken
             assert await fenced("s-other") is False  # not taken again
         assert await fenced("s-fenced") is False
     finally:
+        await admin.close()
+
+
+@asynccontextmanager
+async def another_replica(database_url: str) -> AsyncIterator[PostgresOwnership]:
+    other = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
+    await other.start()
+    try:
+        yield other
+    finally:
+        await other.stop()
+
+
+async def test_another_replicas_sessions_are_told_held_without_taking_any(
+    ownership: PostgresOwnership, database_url: str
+) -> None:
+    # A session's status asks whether any runner holds its lock, by trying for a shared lock
+    # on it for one statement: refused while a runner holds it, granted (and let go at once)
+    # otherwise, so asking takes nothing a turn needs.
+    async with another_replica(database_url) as other, other.hold("s-theirs"):
+        assert await ownership.held_among(["s-theirs", "s-free", "s-mine"]) == {"s-theirs"}
+        async with ownership.hold("s-mine"):
+            assert await ownership.held_among(["s-theirs", "s-free", "s-mine"]) == {
+                "s-theirs",
+                "s-mine",
+            }
+            assert await other.held_among(["s-theirs", "s-free", "s-mine"]) == {
+                "s-theirs",
+                "s-mine",
+            }
+        assert await ownership.is_held("s-free") is False
+        async with other.hold("s-free"):  # asked about, free
+            assert await ownership.is_held("s-free") is True
+        with pytest.raises(SessionBusy):
+            async with ownership.hold("s-theirs"):
+                pass
+
+
+async def test_a_turn_that_meets_another_replicas_question_takes_the_session_when_it_is_over(
+    ownership: PostgresOwnership, database_url: str
+) -> None:
+    # Another replica's status question holds the session's key shared for its statement:
+    # a turn taking the session just then was refused by nobody, and answered 409. It waits
+    # for the question to be over; so does a turn taking again a session it had held on a
+    # lock connection that ended.
+    asking = await asyncpg.connect(asyncpg_dsn(database_url))
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+
+    async def held_by_a_question_for(seconds: float, session_id: str) -> None:
+        async with asking.transaction():  # a question caught in the middle of its statement
+            assert await asking.fetchval(
+                "SELECT pg_try_advisory_xact_lock_shared($1)", lock_key(session_id)
+            )
+            await asyncio.sleep(seconds)
+
+    question = asyncio.create_task(held_by_a_question_for(0.3, "s-asked"))
+    try:
+        await asyncio.sleep(0.05)
+        async with ownership.hold("s-asked"):
+            assert question.done()
+            await ownership.check("s-asked")
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ownership.lock_pid)
+            await ownership.ping()  # a new lock connection, holding nothing
+            question = asyncio.create_task(held_by_a_question_for(0.3, "s-asked"))
+            await asyncio.sleep(0.05)
+            assert await ownership.retake("s-asked", _unchanged) is True
+            assert question.done()
+            await ownership.check("s-asked")
+    finally:
+        question.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await question
+        await asking.close()
         await admin.close()
 
 

@@ -8,10 +8,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -47,6 +47,8 @@ from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
@@ -320,14 +322,20 @@ class RunService:
         self, run_id: str, *, tenant_id: str | None, user_id: str | None = None
     ) -> RunRead:
         """A stored run with its messages; stateless runs are never stored."""
-        async with self.db.reads.begin() as session:
-            run = await RunRepository(session).get(run_id)
-            owner = await SessionRepository(session).get(run.session_id) if run else None
-            if run is None or owner is None or owner.tenant_id != tenant_id:
-                raise RunNotFound(run_id)
-            check_session_access(owner, tenant_id=tenant_id, user_id=user_id, for_turn=False)
-            rows = await MessageRepository(session).for_run(owner.key, run_id)
-        summary = run_summary(run, held=await running_held(self.ownership, run.session_id, [run]))
+
+        async def read() -> tuple[models.Run, Sequence[models.Message]]:
+            async with self.db.reads.begin() as session:
+                run = await RunRepository(session).get(run_id)
+                owner = await SessionRepository(session).get(run.session_id) if run else None
+                if run is None or owner is None or owner.tenant_id != tenant_id:
+                    raise RunNotFound(run_id)
+                check_session_access(owner, tenant_id=tenant_id, user_id=user_id, for_turn=False)
+                return run, await MessageRepository(session).for_run(owner.key, run_id)
+
+        (run, rows), ownerless = await read_runs_owned(
+            self.ownership, read, lambda stored: [stored[0]]
+        )
+        summary = run_summary(run, ownerless=run.id in ownerless)
         messages = [MessageRead.of(row_to_message(r)) for r in rows]
         return RunRead(**dict(summary), messages=messages)
 
@@ -379,18 +387,33 @@ async def _goes_on(messages: MessageRepository, session_key: int, earlier: model
     )
 
 
-async def running_held(ownership: Ownership, session_id: str, runs: Sequence[models.Run]) -> bool:
-    """Whether the session's owner is alive, asked only where one of its `runs` is stored
-    `running` (`run_summary` needs it for no other): on PostgreSQL a statement on the lock
-    connection, which every turn's start and end waits for too."""
-    running = any(r.status == RunStatus.RUNNING.value for r in runs)
-    return running and await ownership.is_held(session_id)
+async def read_runs_owned(
+    ownership: Ownership,
+    read: Callable[[], Awaitable[R]],
+    runs_of: Callable[[R], Sequence[models.Run]],
+) -> tuple[R, set[str]]:
+    """`read()`, which reads some runs of one session (`runs_of`), and the ids of those of
+    them stored `running` whose runner is gone (`run_summary` shows them `interrupted`).
+
+    Whether a runner holds the session is asked only when a run read `running` (on
+    PostgreSQL a statement on the lock connection, which every turn's start and end waits
+    for too), and after the read: a turn that ended between the two would look dead. So when
+    nobody holds the session, it is read again, and only a run `running` both times is one
+    whose runner died; one `running` only in the second read started after the question."""
+    result = await read()
+    running = {r.id: r.session_id for r in runs_of(result) if r.status == RunStatus.RUNNING.value}
+    if not running or await ownership.is_held(next(iter(running.values()))):
+        return result, set()
+    result = await read()
+    return result, {
+        r.id for r in runs_of(result) if r.status == RunStatus.RUNNING.value and r.id in running
+    }
 
 
-def run_summary(run: models.Run, *, held: bool) -> RunSummary:
-    """A stored run without messages; `running` with no live owner (`held`) is `interrupted`."""
+def run_summary(run: models.Run, *, ownerless: bool) -> RunSummary:
+    """A stored run without messages; `running` with no runner (`ownerless`) is `interrupted`."""
     status = RunStatus(run.status)
-    if status is RunStatus.RUNNING and not held:
+    if status is RunStatus.RUNNING and ownerless:
         status = RunStatus.INTERRUPTED
     return RunSummary(
         run_id=run.id,

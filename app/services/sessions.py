@@ -28,7 +28,7 @@ from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, n
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
 from app.services.access import active_run, check_session_access
 from app.services.ownership import Ownership
-from app.services.runs import run_summary, running_held
+from app.services.runs import read_runs_owned, run_summary
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,10 @@ class SessionService:
         """One session with its status."""
         async with self.db.reads.begin() as session:
             row = await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
-            orphaned = await self._orphaned(session, [row])
-        held = await self.ownership.is_held(session_id)
-        return _session_read(row, _status(held=held, orphans=bool(orphaned)))
+            waiting = await self._waiting(session, [row])
+        held = await self.ownership.held_among([session_id])
+        waiting = await self._still_waiting([row], waiting, held)
+        return _session_read(row, _status(held=bool(held), orphans=bool(waiting)))
 
     @read_again_if_disconnected
     async def list(
@@ -74,11 +75,12 @@ class SessionService:
                 after=decode_cursor(after, listing=SESSIONS_LIST) if after else None,
                 limit=limit + 1,
             )
-            orphaned = await self._orphaned(session, rows[:limit])
+            waiting = await self._waiting(session, rows[:limit])
         # One ownership lookup for the page, outside the transaction.
         held = await self.ownership.held_among([r.id for r in rows[:limit]])
+        waiting = await self._still_waiting(rows[:limit], waiting, held)
         page = [
-            _session_read(r, _status(held=r.id in held, orphans=r.id in orphaned))
+            _session_read(r, _status(held=r.id in held, orphans=r.id in waiting))
             for r in rows[:limit]
         ]
         cursor = next_after(
@@ -118,15 +120,18 @@ class SessionService:
     ) -> Page[RunSummary]:
         """The session's runs, newest first."""
         runs_list = f"runs of {session_id}"  # a cursor of one session's runs, not another's
-        async with self.db.reads.begin() as session:
-            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
-            rows = await RunRepository(session).list_for_session(
-                session_id,
-                after=decode_cursor(after, listing=runs_list) if after else None,
-                limit=limit + 1,
-            )
-        held = await running_held(self.ownership, session_id, rows[:limit])
-        data = [run_summary(r, held=held) for r in rows[:limit]]
+
+        async def read() -> Sequence[models.Run]:
+            async with self.db.reads.begin() as session:
+                await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+                return await RunRepository(session).list_for_session(
+                    session_id,
+                    after=decode_cursor(after, listing=runs_list) if after else None,
+                    limit=limit + 1,
+                )
+
+        rows, ownerless = await read_runs_owned(self.ownership, read, lambda rows: rows[:limit])
+        data = [run_summary(r, ownerless=r.id in ownerless) for r in rows[:limit]]
         cursor = next_after(
             rows, limit, lambda r: encode_cursor(r.created_at, r.id, listing=runs_list)
         )
@@ -180,10 +185,28 @@ class SessionService:
             await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
 
     @staticmethod
-    async def _orphaned(session: AsyncSession, rows: Sequence[models.Session]) -> set[str]:
-        """Which of the sessions have calls waiting for a result (`needs_resume`)."""
+    async def _waiting(
+        session: AsyncSession, rows: Sequence[models.Session]
+    ) -> dict[str, frozenset[str]]:
+        """The sessions with calls waiting for a result, and those calls' ids."""
         steps = await MessageRepository(session).last_tool_steps([r.key for r in rows])
-        return {r.id for r in rows if orphaned_calls(steps.get(r.key, []))[1]}
+        waiting = {r.id: orphaned_calls(steps.get(r.key, []))[1] for r in rows}
+        return {s: frozenset(c.id for c in calls) for s, calls in waiting.items() if calls}
+
+    async def _still_waiting(
+        self, rows: Sequence[models.Session], waiting: dict[str, frozenset[str]], held: set[str]
+    ) -> dict[str, frozenset[str]]:
+        """`waiting` (as read before `held` was asked), less the sessions nobody holds whose
+        calls no longer wait when read again: their turn answered them and ended between the
+        read and the question, so they are idle, not in need of a resume. A call that waited
+        both times waited, with nobody to answer it, when the question was asked."""
+        doubted = [r for r in rows if r.id in waiting and r.id not in held]
+        if not doubted:
+            return waiting
+        async with self.db.reads.begin() as session:
+            again = await self._waiting(session, doubted)
+        still = {s: calls & again.get(s, frozenset()) for s, calls in waiting.items()}
+        return {s: calls for s, calls in still.items() if calls or s in held}
 
     @staticmethod
     async def _visible(

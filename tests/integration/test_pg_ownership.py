@@ -36,15 +36,21 @@ pytestmark = pytest.mark.parametrize(
 TAKEOVER_AFTER_S = 4.0
 
 
-@pytest.fixture
-async def ownership(database_url: str) -> AsyncIterator[PostgresOwnership]:
-    # Beats far apart: the test sets how late the last one was.
+@asynccontextmanager
+async def a_replica(database_url: str) -> AsyncIterator[PostgresOwnership]:
+    """A replica's ownership, its beats far apart: a test sets how late the last one was."""
     held = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
     await held.start()
     try:
         yield held
     finally:
         await held.stop()
+
+
+@pytest.fixture
+async def ownership(database_url: str) -> AsyncIterator[PostgresOwnership]:
+    async with a_replica(database_url) as held:
+        yield held
 
 
 async def unanswered(*, if_stale: bool = False) -> None:
@@ -274,23 +280,13 @@ async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken
         await admin.close()
 
 
-@asynccontextmanager
-async def another_replica(database_url: str) -> AsyncIterator[PostgresOwnership]:
-    other = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
-    await other.start()
-    try:
-        yield other
-    finally:
-        await other.stop()
-
-
 async def test_another_replicas_sessions_are_told_held_without_taking_any(
     ownership: PostgresOwnership, database_url: str
 ) -> None:
     # A session's status asks whether any runner holds its lock, by trying for a shared lock
     # on it for one statement: refused while a runner holds it, granted (and let go at once)
     # otherwise, so asking takes nothing a turn needs.
-    async with another_replica(database_url) as other, other.hold("s-theirs"):
+    async with a_replica(database_url) as other, other.hold("s-theirs"):
         assert await ownership.held_among(["s-theirs", "s-free", "s-mine"]) == {"s-theirs"}
         async with ownership.hold("s-mine"):
             assert await ownership.held_among(["s-theirs", "s-free", "s-mine"]) == {

@@ -55,7 +55,8 @@ LAST_LOOK_S = 0.1
 # A pg_locks row `l` that is a runner's session lock: a granted exclusive advisory lock on a
 # bigint key, which pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1
 # (`_key_parts`). A lock connection's token is a lock on two int4 keys: objsubid = 2; a shared
-# lock on a session's key is another replica's `HELD_AMONG_SQL`, over when its statement is.
+# lock on a session's key is a replica's question whether it is held (`HELD_AMONG_SQL`), over
+# with its statement.
 _SESSION_LOCK = (
     "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ExclusiveLock'"
 )

@@ -401,8 +401,9 @@ async def read_runs_owned(
     nobody holds the session, it is read again, and only a run `running` both times is one
     whose runner died; one `running` only in the second read started after the question."""
     result = await read()
-    running = {r.id: r.session_id for r in runs_of(result) if r.status == RunStatus.RUNNING.value}
-    if not running or await ownership.is_held(next(iter(running.values()))):
+    runs = runs_of(result)
+    running = {r.id for r in runs if r.status == RunStatus.RUNNING.value}
+    if not running or await ownership.is_held(runs[0].session_id):
         return result, set()
     result = await read()
     return result, {

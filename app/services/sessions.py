@@ -205,8 +205,8 @@ class SessionService:
             return waiting
         async with self.db.reads.begin() as session:
             again = await self._waiting(session, doubted)
-        still = {s: calls & again.get(s, frozenset()) for s, calls in waiting.items()}
-        return {s: calls for s, calls in still.items() if calls or s in held}
+        answered = {r.id for r in doubted if not waiting[r.id] & again.get(r.id, frozenset())}
+        return {s: calls for s, calls in waiting.items() if s not in answered}
 
     @staticmethod
     async def _visible(

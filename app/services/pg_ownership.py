@@ -225,8 +225,10 @@ class PostgresOwnership:
         Otherwise it is let go for good: the turn's checks and writes fail from then on."""
         key = lock_key(session_id)
         try:
-            async with self._io:
-                await self._connection()  # a new one counts the old one's sessions `_lost`
+            # Asked, not looked at: a connection whose end is not seen yet (the turn's write
+            # failed with it first) fails the statement and is replaced, and a new connection
+            # counts the old one's sessions `_lost`.
+            await self.ping()
             token = await self._take(key, from_stalled=False) if session_id in self._lost else None
         except ConnectionError:
             return False

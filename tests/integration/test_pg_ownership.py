@@ -251,6 +251,25 @@ async def _unchanged() -> bool:
     return True
 
 
+async def test_a_session_whose_lock_connection_ended_unseen_is_taken_again(
+    database_url: str,
+) -> None:
+    # A network path ends the lock connection and the turn's write connection together: the
+    # write's failure is seen first, and the turn asks to take the session again before the
+    # lock connection's end is. Its connection looked alive, so the session counted held
+    # there and was not taken again: the turn answered 503 though nobody else had it.
+    url = make_url(database_url)
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        async with a_replica(via_proxy) as owner, owner.hold("s-unseen"):
+            proxy.end_late(0.5)
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", owner.lock_pid)
+            assert await owner.retake("s-unseen", _unchanged) is True
+            await owner.check("s-unseen")
+    await admin.close()
+
+
 async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken_on(
     ownership: PostgresOwnership, database_url: str
 ) -> None:

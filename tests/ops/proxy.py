@@ -23,6 +23,7 @@ class TcpProxy:
         self._acceptor: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stalled_until = 0.0
+        self._end_late_s = 0.0
         self.port = 0
 
     def start(self) -> TcpProxy:
@@ -62,6 +63,11 @@ class TcpProxy:
         """Hold what either side sends for `seconds`, then pass it on: a database that
         answers late, connections kept."""
         self._stalled_until = time.monotonic() + seconds
+
+    def end_late(self, seconds: float) -> None:
+        """From now on, pass a connection's end on to the other side `seconds` late: a client
+        sees its server's end only after it has sent its next statement."""
+        self._end_late_s = seconds
 
     def restore(self) -> None:
         """Listen again on the same port."""
@@ -114,6 +120,7 @@ class TcpProxy:
                 dst.sendall(data)
         except OSError:
             pass
+        time.sleep(self._end_late_s)
         # One side ended: end both, like a dead network path would.
         for sock in (src, dst):
             with contextlib.suppress(OSError):

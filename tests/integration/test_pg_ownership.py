@@ -47,6 +47,18 @@ async def a_replica(database_url: str) -> AsyncIterator[PostgresOwnership]:
         await held.stop()
 
 
+@asynccontextmanager
+async def a_replica_told_of_ends_late(database_url: str) -> AsyncIterator[PostgresOwnership]:
+    """A replica whose connections go through a proxy that passes their server's end on
+    0.5 s late: a statement sent meanwhile meets an end the driver has not seen."""
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        proxy.end_late(0.5)
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        async with a_replica(via_proxy) as held:
+            yield held
+
+
 @pytest.fixture
 async def ownership(database_url: str) -> AsyncIterator[PostgresOwnership]:
     async with a_replica(database_url) as held:
@@ -258,16 +270,14 @@ async def test_a_session_whose_lock_connection_ended_unseen_is_taken_again(
     # write's failure is seen first, and the turn asks to take the session again before the
     # lock connection's end is. Its connection looked alive, so the session counted held
     # there and was not taken again: the turn answered 503 though nobody else had it.
-    url = make_url(database_url)
     admin = await asyncpg.connect(asyncpg_dsn(database_url))
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-        async with a_replica(via_proxy) as owner, owner.hold("s-unseen"):
-            proxy.end_late(0.5)
+    try:
+        async with a_replica_told_of_ends_late(database_url) as owner, owner.hold("s-unseen"):
             assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", owner.lock_pid)
             assert await owner.retake("s-unseen", _unchanged) is True
             await owner.check("s-unseen")
-    await admin.close()
+    finally:
+        await admin.close()
 
 
 async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken_on(
@@ -363,29 +373,19 @@ async def test_a_turn_that_meets_another_replicas_question_takes_the_session_whe
 
 
 async def test_a_statement_on_a_lock_connection_the_server_ended_unseen_is_sent_again(
-    ownership: PostgresOwnership, database_url: str, monkeypatch: pytest.MonkeyPatch
+    database_url: str,
 ) -> None:
     # The server ended the lock connection and the driver had not read its goodbye when the
     # next statement went out: a session's GET, a DELETE or a new turn answered 503 though
     # the database was up.
     admin = await asyncpg.connect(asyncpg_dsn(database_url))
     try:
-        ended = ownership.lock_pid
-        assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ended)
+        async with a_replica_told_of_ends_late(database_url) as owner:
+            ended = owner.lock_pid
+            assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", ended)
+            assert await owner.is_held("s-unseen") is False
+            async with owner.hold("s-unseen"):
+                assert owner.lock_pid != ended
+                await owner.check("s-unseen")
     finally:
         await admin.close()
-    staged: list[bool] = []
-    real = asyncpg.Connection.is_closed
-
-    def is_closed(self: asyncpg.Connection) -> bool:  # the ownership's check, just too early
-        if staged:
-            return bool(real(self))
-        staged.append(True)
-        return False
-
-    monkeypatch.setattr(asyncpg.Connection, "is_closed", is_closed)
-    assert await ownership.is_held("s-unseen") is False
-    assert staged
-    async with ownership.hold("s-unseen"):
-        assert ownership.lock_pid != ended
-        await ownership.check("s-unseen")

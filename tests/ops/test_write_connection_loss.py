@@ -97,22 +97,25 @@ def _write_2_ended_while_waiting(
     pg_admin: Callable[..., None],
     tool_server: ToolServer,
     *,
-    also: str = "",
+    hold_too: bool = False,
     first: str | None = None,
 ) -> Iterator[SessionRowLock]:
     """Write #2 waits on the session's row (another client holds it until the block ends);
-    its backend, and the ones `also` selects, are ended while it waits (after the statement
-    `first`, if given)."""
+    its backend is ended while it waits (after the statement `first`, if given), and with
+    `hold_too` the server's lock connection just before it: ended in one statement, the
+    write's end could be seen, and the session's state read, while the hold still stood."""
     database = make_url(database_url).database
+    ended = (
+        f"SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = '{database}'"
+    )
     with SessionRowLock(database_url, session_id=TURN["session_id"]) as row:
         tool_server.release()
         wait_for(row.blocked, timeout=20, what="write #2 waiting on the row")
         if first is not None:
             pg_admin(first)
-        pg_admin(
-            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
-            f" WHERE datname = '{database}' AND (wait_event_type = 'Lock'{also})"
-        )
+        if hold_too:
+            pg_admin(f"{ended} AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')")
+        pg_admin(f"{ended} AND wait_event_type = 'Lock'")
         yield row
 
 
@@ -163,19 +166,16 @@ def test_pooled_connections_that_died_idle_are_replaced_and_the_turn_keeps_its_r
         server.kill()
 
 
-LOCK_CONNECTION = " OR pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')"
-
-
 @pytest.mark.parametrize(
-    ("also", "logged"),
+    ("hold_too", "logged"),
     [
         # The server still holds the session, so the stored state tells it the write did not
         # commit: it is sent again, and goes through once the row is free.
-        ("", "had not committed: sent again"),
+        (False, "had not committed: sent again"),
         # The lock connection ends too (backends ended, a network path lost): nobody took the
         # session, so the turn takes it again and finds it as the write left it before. The
         # turn answered 503 here, and the post that was made became a durability error.
-        (LOCK_CONNECTION, "taken again, the write had not committed: sent again"),
+        (True, "taken again, the write had not committed: sent again"),
     ],
     ids=["session-held", "hold-lost-too"],
 )
@@ -184,7 +184,7 @@ def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goe
     pg_admin: Callable[..., None],
     agents_server: AgentsServer,
     tool_server: ToolServer,
-    also: str,
+    hold_too: bool,
     logged: str,
 ) -> None:
     server = agents_server(database_url=database_url).start()
@@ -192,7 +192,7 @@ def test_a_write_whose_connection_dies_under_it_is_told_committed_or_not_and_goe
         with ThreadPoolExecutor(max_workers=1) as pool, server.client(timeout=60) as client:
             in_flight = _turn_in_flight(pool, client, tool_server)
             with _write_2_ended_while_waiting(
-                database_url, pg_admin, tool_server, also=also
+                database_url, pg_admin, tool_server, hold_too=hold_too
             ) as row:
                 wait_for(row.blocked, timeout=20, what="write #2 sent again, waiting")
             _kept_its_result(in_flight.result(timeout=30), client, tool_server)
@@ -216,7 +216,7 @@ def test_a_write_whose_connection_dies_with_the_hold_and_the_database_answers_50
             in_flight = _turn_in_flight(pool, client, tool_server)
             refuse = f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false'
             with _write_2_ended_while_waiting(
-                database_url, pg_admin, tool_server, also=LOCK_CONNECTION, first=refuse
+                database_url, pg_admin, tool_server, hold_too=True, first=refuse
             ):
                 refused = in_flight.result(timeout=30)
             pg_admin(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')

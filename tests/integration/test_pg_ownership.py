@@ -12,7 +12,6 @@ from typing import Any
 import asyncpg
 import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
 
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
@@ -27,7 +26,7 @@ from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.tools.agents_file import load_registry
-from tests.ops.proxy import TcpProxy
+from tests.ops.proxy import database_via_proxy
 
 pytestmark = pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
@@ -51,10 +50,8 @@ async def a_replica(database_url: str) -> AsyncIterator[PostgresOwnership]:
 async def a_replica_told_of_ends_late(database_url: str) -> AsyncIterator[PostgresOwnership]:
     """A replica whose connections go through a proxy that passes their server's end on
     0.5 s late: a statement sent meanwhile meets an end the driver has not seen."""
-    url = make_url(database_url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+    with database_via_proxy(database_url) as (proxy, via_proxy):
         proxy.end_late(0.5)
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
         async with a_replica(via_proxy) as held:
             yield held
 
@@ -165,9 +162,7 @@ async def test_a_lock_connection_that_stops_answering_is_dropped_not_waited_on(
     # The network path to PostgreSQL holds everything back (a failover, a lost NAT entry)
     # while a turn releases its session. The unlock waited without end, holding the lock
     # connection, so the heartbeat could not notice: every request of the replica hung.
-    url = make_url(database_url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    with database_via_proxy(database_url) as (proxy, via_proxy):
         owner = PostgresOwnership(via_proxy, heartbeat_s=3600, takeover_after_s=2)
         await owner.start()
         try:

@@ -6,7 +6,10 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
+
+from sqlalchemy.engine import make_url
 
 _CHUNK = 65536
 
@@ -141,3 +144,12 @@ class TcpProxy:
         tb: TracebackType | None,
     ) -> None:
         self.cut()
+
+
+@contextlib.contextmanager
+def database_via_proxy(database_url: str) -> Iterator[tuple[TcpProxy, str]]:
+    """A proxy to the database `database_url` names, and the URL that reaches it through it."""
+    url = make_url(database_url)
+    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        via_proxy = url.set(host="127.0.0.1", port=proxy.port)
+        yield proxy, via_proxy.render_as_string(hide_password=False)

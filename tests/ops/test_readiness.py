@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
-from tests.ops.proxy import TcpProxy
+from tests.ops.proxy import database_via_proxy
 from tests.support.pg import on_postgres
 from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
@@ -46,9 +46,7 @@ def _set_revision(database_url: str, revision: str) -> None:
 def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
     database_url: str, tmp_path: Path, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
-    url = make_url(database_url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    with database_via_proxy(database_url) as (proxy, via_proxy):
         server = agents_server(database_url=via_proxy)
         with server, server.client(timeout=30) as client:
             assert client.get("/readyz").status_code == 200

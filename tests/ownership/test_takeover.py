@@ -10,9 +10,8 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
-from sqlalchemy.engine import make_url
 
-from tests.ops.proxy import TcpProxy
+from tests.ops.proxy import database_via_proxy
 from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     POSTGRES_ONLY,
@@ -230,9 +229,7 @@ def test_a_hold_that_ended_before_the_start_record_while_another_turn_ran_answer
     it, so that turn cannot take it again; it stored and ran nothing, and says to resubmit,
     which then runs after the other turn."""
     session = "s-hold-lost-overtaken"
-    url = make_url(database_url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    with database_via_proxy(database_url) as (proxy, via_proxy):
         (tmp_path / "late").mkdir()
         late = Servers(
             tmp_path / "late",
@@ -283,9 +280,7 @@ def test_a_database_that_answers_late_costs_the_holder_no_session(
     """PostgreSQL stalls for 2 s while a side effect is in flight: less than the time a
     holder may go without a heartbeat (half of SESSION_TAKEOVER_AFTER_S), so the holder
     keeps its lock connection, and the turn stores its result and finishes."""
-    url = make_url(database_url)
-    with TcpProxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
-        via_proxy = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    with database_via_proxy(database_url) as (proxy, via_proxy):
         servers = Servers(
             tmp_path, database_url=via_proxy, model_url=fake_model.url, tools_url=tool_server.url
         )

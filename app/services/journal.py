@@ -94,18 +94,28 @@ class Journal:
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
-        self._stamp(turn, [assistant])
+        self._number(turn, [assistant])
 
     async def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
         """Write #2: every tool result of the step, or none."""
-        self._stamp(turn, results)
+        self._number(turn, results)
 
     async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
         """End of turn: the final answer (and the user message) and the run's outcome."""
-        self._stamp(turn, [final] if final is not None else [])
+        self._number(turn, [final] if final is not None else [])
+
+    def _number(self, turn: Turn, messages: Sequence[Message]) -> None:
+        """A stateless turn's messages get the `seq` and `created_at` a stored one would:
+        the turn is all the history there is, so its user message is 1."""
+        self._stamp(turn, messages)
+        now = utcnow()
+        if turn.user_message.seq is None:
+            turn.user_message.seq, turn.user_message.created_at = 1, turn.created_at
+        for offset, message in enumerate(messages, start=len(turn.messages) + 1):
+            message.seq, message.created_at = offset, now
 
     @staticmethod
     def _stamp(turn: Turn, messages: Sequence[Message]) -> None:

@@ -71,6 +71,10 @@ async def test_stateless_run_answers_and_writes_nothing(
     assert body["session_id"] is None
     assert_completed_triage(body, "triage issue 7")
     assert {m["run_id"] for m in body["messages"]} == {body["run_id"]}  # the user's too
+    # Numbered and timed as a new session's would be, though nothing is stored.
+    assert [m["seq"] for m in body["messages"]] == [1, 2, 3, 4, 5]
+    times = [datetime.fromisoformat(m["created_at"]) for m in body["messages"]]
+    assert times == sorted(times)
     assert tool_server.count("get_issue") == tool_server.count("post_slack") == 1
     assert (await get_ok(client, "/v1/sessions")) == {"data": [], "next_after": None}
     for run_id in (body["run_id"], "00000000-0000-0000-0000-000000000000", "nope"):

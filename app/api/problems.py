@@ -10,18 +10,12 @@ import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.outages import (
-    PG_CONNECTION_ERRORS,
-    pg_read_only,
-    saturated,
-    sqlite_statement_error,
-    unavailable,
-)
+from app.db.outages import is_outage, unavailable
 from app.errors import (
     AppError,
     DatabaseUnavailable,
@@ -112,28 +106,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(error)
 
 
-def _is_outage(exc: Exception) -> bool:
-    if sqlite_statement_error(exc):
-        return False
-    if isinstance(exc, DBAPIError):
-        return (
-            isinstance(exc, OperationalError | InterfaceError)
-            or exc.connection_invalidated
-            or pg_read_only(exc)
-            or saturated(exc)
-        )
-    # The driver's own errors (the journal's writes use the drivers directly).
-    if isinstance(exc, asyncpg.PostgresError):
-        return isinstance(exc, PG_CONNECTION_ERRORS) or pg_read_only(exc) or saturated(exc)
-    if isinstance(exc, sqlite3.Error):
-        return isinstance(exc, sqlite3.OperationalError)
-    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
-        return saturated(exc)  # out of file descriptors or memory on the way to the database
-    return True  # pool timeouts and socket errors on the way to the database
-
-
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    if not _is_outage(exc):
+    if not is_outage(exc):
         if (changed := await _schema_changed(request, exc)) is not None:
             return problem_response(changed)
         log.error("unhandled database error", exc_info=exc)  # never raised again: log it now

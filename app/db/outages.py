@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 import asyncpg
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from app.errors import DatabaseUnavailable
@@ -83,6 +83,27 @@ def saturated(exc: BaseException) -> bool:
     return (sqlstate is not None and sqlstate.startswith("53")) or _local_limit(exc) is not None
 
 
+def is_outage(exc: Exception) -> bool:
+    """A database failure that is an outage (503 `database_unavailable`), not a bug (500)."""
+    if sqlite_statement_error(exc):
+        return False
+    if isinstance(exc, DBAPIError):
+        return (
+            isinstance(exc, OperationalError | InterfaceError)
+            or exc.connection_invalidated
+            or pg_read_only(exc)
+            or saturated(exc)
+        )
+    # The driver's own errors (the journal's writes use the drivers directly).
+    if isinstance(exc, asyncpg.PostgresError):
+        return isinstance(exc, PG_CONNECTION_ERRORS) or pg_read_only(exc) or saturated(exc)
+    if isinstance(exc, sqlite3.Error):
+        return isinstance(exc, sqlite3.OperationalError)
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError | TimeoutError):
+        return saturated(exc)  # out of file descriptors or memory on the way to the database
+    return True  # pool timeouts and socket errors on the way to the database
+
+
 def unavailable(exc: BaseException) -> DatabaseUnavailable:
     """The 503 for a database failure that is an outage, saying which; logs its cause (the
     driver's error, its code and message: never a statement or its parameters)."""
@@ -90,7 +111,7 @@ def unavailable(exc: BaseException) -> DatabaseUnavailable:
         log.warning("database connections all in use")
         return DatabaseUnavailable(POOL_BUSY_DETAIL)
     sqlstate = _sqlstate(exc)
-    if sqlstate == "25006":
+    if pg_read_only(exc):
         detail = READ_ONLY_DETAIL
     elif sqlstate is not None and sqlstate.startswith("53"):
         detail = EXHAUSTED_DETAIL

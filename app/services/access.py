@@ -1,17 +1,24 @@
-"""Who may use a session, and which run is using it."""
+"""Who may use a session, which run is using it, and whether a run stored `running` still
+has a runner."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from app.db import models
 from app.db.outages import read_again_if_disconnected
 from app.db.repositories import RunRepository
 from app.db.session import Database
+from app.domain import RunStatus
 from app.errors import SessionAccessDenied, SessionBusy, SessionNotFound
+from app.schemas.runs import RunErrorRead, RunSummary, UsageRead
 from app.services.ownership import ActiveRuns, Ownership
+
+R = TypeVar("R")
 
 CLOCK_SLACK = timedelta(seconds=1)  # how far replicas' clocks may disagree
 
@@ -58,3 +65,48 @@ async def active_run(
         if active is not None or not held or time.monotonic() > deadline:
             return active
         await asyncio.sleep(0.02)
+
+
+async def read_runs_owned(
+    ownership: Ownership,
+    read: Callable[[], Awaitable[R]],
+    runs_of: Callable[[R], Sequence[models.Run]],
+) -> tuple[R, set[str]]:
+    """`read()`, which reads some runs of one session (`runs_of`), and the ids of those of
+    them stored `running` whose runner is gone (`run_summary` shows them `interrupted`).
+
+    Whether a runner holds the session is asked only when a run read `running` (on
+    PostgreSQL a statement on the lock connection, which every turn's start and end waits
+    for too), and after the read: a turn that ended between the two would look dead. So when
+    nobody holds the session, it is read again, and only a run `running` both times is one
+    whose runner died; one `running` only in the second read started after the question."""
+    result = await read()
+    runs = runs_of(result)
+    running = {r.id for r in runs if r.status == RunStatus.RUNNING.value}
+    if not running or await ownership.is_held(runs[0].session_id):
+        return result, set()
+    result = await read()
+    return result, {
+        r.id for r in runs_of(result) if r.status == RunStatus.RUNNING.value and r.id in running
+    }
+
+
+def run_summary(run: models.Run, *, ownerless: bool) -> RunSummary:
+    """A stored run without messages; `running` with no runner (`ownerless`) is `interrupted`."""
+    status = RunStatus(run.status)
+    if status is RunStatus.RUNNING and ownerless:
+        status = RunStatus.INTERRUPTED
+    return RunSummary(
+        run_id=run.id,
+        session_id=run.session_id,
+        agent=run.agent,
+        status=status,
+        response=run.response,
+        iterations=run.iterations,
+        usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
+        error=RunErrorRead.of(run.error_type, run.error_message),
+        stop_reason=run.stop_reason,
+        metadata=run.metadata_ or {},
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+    )

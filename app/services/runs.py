@@ -8,10 +8,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -39,16 +39,14 @@ from app.errors import (
 )
 from app.failpoints import Failpoints
 from app.metrics import Metrics
-from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, RunSummary, UsageRead
-from app.services.access import active_run, check_session_access
+from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, UsageRead
+from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
 from app.services.journal import DurableJournal, Journal, Turn
 from app.services.ownership import ActiveRuns, Ownership
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R")
 
 
 def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
@@ -79,6 +77,8 @@ def _integral_floats_as_ints(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class RunResult:
+    """The API's answer to a turn, and whether it is a stored one given again (a replay)."""
+
     run: RunRead
     replayed: bool = False
 
@@ -384,51 +384,6 @@ async def _goes_on(messages: MessageRepository, session_key: int, earlier: model
         return True
     return earlier.status == RunStatus.INTERRUPTED.value and not await messages.overtaken(
         session_key, earlier.id
-    )
-
-
-async def read_runs_owned(
-    ownership: Ownership,
-    read: Callable[[], Awaitable[R]],
-    runs_of: Callable[[R], Sequence[models.Run]],
-) -> tuple[R, set[str]]:
-    """`read()`, which reads some runs of one session (`runs_of`), and the ids of those of
-    them stored `running` whose runner is gone (`run_summary` shows them `interrupted`).
-
-    Whether a runner holds the session is asked only when a run read `running` (on
-    PostgreSQL a statement on the lock connection, which every turn's start and end waits
-    for too), and after the read: a turn that ended between the two would look dead. So when
-    nobody holds the session, it is read again, and only a run `running` both times is one
-    whose runner died; one `running` only in the second read started after the question."""
-    result = await read()
-    runs = runs_of(result)
-    running = {r.id for r in runs if r.status == RunStatus.RUNNING.value}
-    if not running or await ownership.is_held(runs[0].session_id):
-        return result, set()
-    result = await read()
-    return result, {
-        r.id for r in runs_of(result) if r.status == RunStatus.RUNNING.value and r.id in running
-    }
-
-
-def run_summary(run: models.Run, *, ownerless: bool) -> RunSummary:
-    """A stored run without messages; `running` with no runner (`ownerless`) is `interrupted`."""
-    status = RunStatus(run.status)
-    if status is RunStatus.RUNNING and ownerless:
-        status = RunStatus.INTERRUPTED
-    return RunSummary(
-        run_id=run.id,
-        session_id=run.session_id,
-        agent=run.agent,
-        status=status,
-        response=run.response,
-        iterations=run.iterations,
-        usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
-        error=RunErrorRead.of(run.error_type, run.error_message),
-        stop_reason=run.stop_reason,
-        metadata=run.metadata_ or {},
-        created_at=run.created_at,
-        finished_at=run.finished_at,
     )
 
 

@@ -26,9 +26,8 @@ from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, next_after
 from app.schemas.runs import MessageRead, RunSummary, SessionRead
-from app.services.access import active_run, check_session_access
+from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
 from app.services.ownership import Ownership
-from app.services.runs import read_runs_owned, run_summary
 
 log = logging.getLogger(__name__)
 

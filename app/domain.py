@@ -207,8 +207,9 @@ class Usage:
 def orphaned_calls(history: list[Message]) -> tuple[int, list[ToolCall]]:
     """Index of the last assistant message with tool calls and its calls lacking a result.
 
-    Every durable write repairs before it appends, so orphans can only sit in the last
-    assistant message that asked for tools; (-1, []) when nothing waits.
+    Every turn repairs before its first step, and a step's results are stored before the
+    next model call, so orphans can only sit in the last assistant message that asked for
+    tools; (-1, []) when nothing waits.
     """
     for index in range(len(history) - 1, -1, -1):
         message = history[index]

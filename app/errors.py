@@ -90,7 +90,8 @@ class SessionBusy(AppError):
 
 
 class SessionConflict(SessionBusy):
-    """This runner lost the session to another (found at a durable write or before a dispatch)."""
+    """This runner may have lost the session (found at a durable write or before a
+    dispatch); RunService answers SessionHoldLost instead when nobody else took it."""
 
     def __init__(self, session_id: str, active_run_id: str | None = None) -> None:
         super().__init__(session_id, active_run_id)

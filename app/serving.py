@@ -113,7 +113,7 @@ class ServeProcess:
                         return self
                 time.sleep(0.05)
             raise RuntimeError(f"server did not become healthy:\n{self.logs()}")
-        except BaseException:
+        except BaseException:  # Ctrl-C too: never leave the server behind; re-raised
             self.kill()
             raise
 

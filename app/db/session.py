@@ -33,7 +33,7 @@ def _configure_postgres(engine: Engine) -> None:
     @event.listens_for(engine, "handle_error")
     def _on_error(context: ExceptionContext) -> None:
         # SQLAlchemy knows a lost connection by asyncpg's own verdict (is it closed?), which
-        # lags the errors above: without this the connection would go back to the pool.
+        # lags PG_CONNECTION_ERRORS: without this the connection would go back to the pool.
         # A connection that could not be made at all (no `connection`: the database was
         # dropped, too many clients, the server is starting) is as much an outage.
         lost = isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS)
@@ -251,7 +251,7 @@ def _driver_transaction(driver: sqlite3.Connection, body: Callable[[sqlite3.Conn
     try:
         result = body(driver)
         driver.execute("COMMIT")
-    except BaseException:
+    except BaseException:  # cancellation too: never leave the transaction open; re-raised
         if driver.in_transaction:
             driver.execute("ROLLBACK")
         raise

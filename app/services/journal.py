@@ -74,6 +74,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class RunEnd:
+    """How a run ended, as its record stores it."""
+
     status: RunStatus
     response: str | None
     _: KW_ONLY
@@ -261,7 +263,9 @@ class DurableJournal(Journal):
         self._stamp(turn, [final] if final is not None else [])
         self._failpoints.reach("before-final-write")
         with self._metrics.write("final"):
-            if final is None:  # a model failure before any write: no user message either
+            # No final answer (every end but `complete`): only the run's end is written, and
+            # a user message no step stored stays unstored (a failed first model call, §2).
+            if final is None:
                 await self._write(turn, [], touch=True, run_values=values)
             else:
                 await self._append(turn, [final], end=values)
@@ -306,18 +310,7 @@ class DurableJournal(Journal):
         for offset, message in enumerate(batch, start=1):
             message.seq = turn.stored_count + offset
             message.created_at = now
-        new_session = None
-        if not turn.session_exists:
-            new_session = {
-                "id": turn.session_id,
-                "agent": turn.agent,
-                "tenant_id": turn.tenant_id,
-                "user_id": turn.user_id,
-                "metadata": turn.session_metadata,
-                "message_count": turn.stored_count + len(batch),
-                "created_at": now,
-                "updated_at": now,
-            }
+        new_session = None if turn.session_exists else self._new_session(turn, len(batch), now)
         write = JournalWrite(
             session_id=turn.session_id,
             run_id=turn.run_id,
@@ -343,6 +336,19 @@ class DurableJournal(Journal):
                 raise unavailable(unknown.error) from unknown.error
         turn.stored_count += len(batch)
         turn.session_exists = True
+
+    @staticmethod
+    def _new_session(turn: Turn, added: int, now: datetime) -> dict[str, Any]:
+        return {
+            "id": turn.session_id,
+            "agent": turn.agent,
+            "tenant_id": turn.tenant_id,
+            "user_id": turn.user_id,
+            "metadata": turn.session_metadata,
+            "message_count": turn.stored_count + added,
+            "created_at": now,
+            "updated_at": now,
+        }
 
     @staticmethod
     def _new_run(turn: Turn) -> dict[str, Any]:

@@ -113,7 +113,9 @@ class Ownership(Protocol):
     def row_fence_sql(self) -> str:
         """`fence_sql` for a statement that updates or locks the session's row, which it
         names `session`: asked again of the row's newest version when the statement waited
-        for another writer of the row (who may have taken the session meanwhile)."""
+        for another writer of the row (who may have taken the session meanwhile). Both
+        implementations now give the same SQL as `fence_sql` (PostgreSQL's is a volatile
+        call, asked per row anyway); the slot is for a fence that is not."""
         ...
 
     def fence_params(self, session_id: str) -> dict[str, Any]:

@@ -239,7 +239,7 @@ class PostgresOwnership:
             if not await unchanged():
                 await self._unlock(key)
                 return False
-        except BaseException:
+        except BaseException:  # cancellation too: a lock taken must not outlive the attempt
             await asyncio.shield(self._unlock(key))
             raise
         if token != self._token:  # lost again while the session was read

@@ -38,6 +38,8 @@ BUDGET_NOTE = (
 
 @dataclass(frozen=True)
 class RunOutcome:
+    """What the runner hands back: how the run ended, and the turn as it left it."""
+
     end: RunEnd
     turn: Turn
 
@@ -125,7 +127,7 @@ class AgentRunner:
 
         A `safe_to_retry` tool is invoked again and its real result kept; any other gets
         the durability error, so the model — not the runner — decides whether to repeat it.
-        SessionConflict when this runner lost the session: it re-runs and writes nothing more.
+        SessionConflict when this runner lost the session: it runs and writes nothing more.
         """
         index, orphans = orphaned_calls(history)
         results: list[Message] = []
@@ -158,10 +160,7 @@ class AgentRunner:
         # As before any dispatch: a runner that lost the session (paused, then taken over)
         # runs nothing more of it, even a tool that may run twice.
         await journal.check_owned(turn)
-        with logs.bound(tool_call_id=call.id):
-            return await self._registry.execute(
-                call, self._context(turn, call), allowed=agent.tools
-            )
+        return await self._invoke(turn, call, agent)
 
     async def run(
         self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
@@ -193,8 +192,9 @@ class AgentRunner:
             assistant = Message.assistant(response.text, response.tool_calls)
             last_text = response.text
             if not response.tool_calls:
-                await self._finish(turn, journal, assistant, RunEnd(RunStatus.COMPLETE, last_text))
-                return RunOutcome(RunEnd(RunStatus.COMPLETE, last_text), turn)
+                end = RunEnd(RunStatus.COMPLETE, last_text)
+                await self._finish(turn, journal, assistant, end)
+                return RunOutcome(end, turn)
             await self._step(turn, journal, agent, assistant, response, messages)
             call_ids.update(call.id for call in response.tool_calls)
             stop = limits.after_step(turn, messages[-len(response.tool_calls) :])
@@ -347,13 +347,18 @@ class AgentRunner:
         return results
 
     async def _execute(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
-        with logs.bound(tool_call_id=call.id):
-            result = await self._registry.execute(
-                call, self._context(turn, call), allowed=agent.tools
-            )
+        result = await self._invoke(turn, call, agent)
         outcome = "error" if result.is_error else "ok"
         self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
         return result
+
+    async def _invoke(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
+        """Run the call's handler (the registry validates its input and turns failures into
+        error results)."""
+        with logs.bound(tool_call_id=call.id):
+            return await self._registry.execute(
+                call, self._context(turn, call), allowed=agent.tools
+            )
 
     @staticmethod
     def _context(turn: Turn, call: ToolCall) -> ToolContext:

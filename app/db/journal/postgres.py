@@ -231,7 +231,7 @@ class PostgresJournalStore:
                 async with raw.transaction():
                     value = await fetch(sql, *args)
                     before_commit()
-        except BaseException as exc:
+        except BaseException as exc:  # cancellation too: its connection's state is unknown
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
                 await greenlet_spawn(pooled.close)  # the statement failed, not the connection
                 if pg_read_only(exc) or saturated(exc):

@@ -12,7 +12,7 @@ from app.db import models
 from app.db.base import Base
 from app.domain import RunStatus
 
-_PG = postgresql.dialect()  # type: ignore[no-untyped-call]
+_PG = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it untyped
 
 
 def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:

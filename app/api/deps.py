@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -148,6 +148,18 @@ RunServiceDep = Annotated[RunService, Depends(get_run_service)]
 SessionServiceDep = Annotated[SessionService, Depends(get_session_service)]
 RegistryDep = Annotated[ToolRegistry, Depends(get_registry)]
 TenantDep = Annotated[str | None, Depends(get_tenant)]
+# On the read and delete routes: the user a request acts for (none: for the tenant).
+UserId = Annotated[
+    str | None,
+    Query(
+        min_length=1,
+        max_length=128,
+        description=(
+            "Act as this user: a session, or a run of one, created with another user_id"
+            " answers 403."
+        ),
+    ),
+]
 
 
 def _invalid(where: str, name: str, msg: str) -> dict[str, object]:

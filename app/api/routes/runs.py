@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Depends, Header, Response
 from pydantic import WithJsonSchema
 
 from app.api.deps import (
     RunServiceDep,
     ServicesDep,
     TenantDep,
+    UserId,
     cut_off,
     one_idempotency_key,
 )
@@ -136,7 +137,7 @@ async def get_run(
     run_id: str,
     runs: RunServiceDep,
     tenant: TenantDep,
-    user_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+    user_id: UserId = None,
 ) -> RunRead:
     """A stored run with the messages of its turn."""
     return await runs.get(run_id, tenant_id=tenant, user_id=user_id)

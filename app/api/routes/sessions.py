@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from app.api.deps import SessionServiceDep, TenantDep
+from app.api.deps import SessionServiceDep, TenantDep, UserId
 from app.api.problems import responses
 from app.errors import (
     DatabaseUnavailable,
@@ -36,14 +36,6 @@ After = Annotated[
 AfterSeq = Annotated[
     str | None,
     Query(pattern="^[0-9]{0,9}$", description="A next_after of this list: a message's seq."),
-]
-UserId = Annotated[
-    str | None,
-    Query(
-        min_length=1,
-        max_length=128,
-        description="Act as this user: a session created with another user_id answers 403.",
-    ),
 ]
 
 

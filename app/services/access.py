@@ -41,7 +41,7 @@ def check_session_access(
 
 @read_again_if_disconnected
 async def active_run(
-    db: Database, ownership: Ownership, busy: SessionBusy, session_id: str, *, since: datetime
+    db: Database, *, ownership: Ownership, busy: SessionBusy, session_id: str, since: datetime
 ) -> str | None:
     """The run that holds the session (or held it at `since`): what the 409 for `busy` names.
 
@@ -69,6 +69,7 @@ async def active_run(
 
 async def read_runs_owned(
     ownership: Ownership,
+    *,
     read: Callable[[], Awaitable[R]],
     runs_of: Callable[[R], Sequence[models.Run]],
 ) -> tuple[R, set[str]]:

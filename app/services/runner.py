@@ -120,7 +120,7 @@ class AgentRunner:
             await asyncio.wait(set(self._steps))
 
     async def repair(
-        self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
+        self, turn: Turn, *, journal: Journal, history: list[Message], agent: AgentConfig
     ) -> list[Message]:
         """Store one result for every orphaned call of `history` (CONTRACT §2), in one write,
         and return them.
@@ -163,7 +163,7 @@ class AgentRunner:
         return await self._invoke(turn, call, agent)
 
     async def run(
-        self, turn: Turn, journal: Journal, history: list[Message], agent: AgentConfig
+        self, turn: Turn, *, journal: Journal, history: list[Message], agent: AgentConfig
     ) -> RunOutcome:
         """Run the turn to its end; journal writes raise, model failures end the run.
 

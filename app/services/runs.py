@@ -132,7 +132,11 @@ class RunService:
                 )
             turn = self._turn(body, tenant_id=tenant_id, key=None)
             logs.bind(run_id=turn.run_id)
-            return RunResult(self._outcome_read(await self.runner.run(turn, Journal(), [], agent)))
+            return RunResult(
+                self._outcome_read(
+                    await self.runner.run(turn, journal=Journal(), history=[], agent=agent)
+                )
+            )
         if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
@@ -195,7 +199,11 @@ class RunService:
     async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
         assert turn.session_id is not None
         return await active_run(
-            self.db, self.ownership, busy, turn.session_id, since=turn.created_at
+            self.db,
+            ownership=self.ownership,
+            busy=busy,
+            session_id=turn.session_id,
+            since=turn.created_at,
         )
 
     async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
@@ -217,10 +225,16 @@ class RunService:
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
         assert turn.session_id is not None
         self.ownership.active.confirm(turn.session_id, turn.run_id)
-        history.extend(await self.runner.repair(turn, journal, history, agent))
+        history.extend(
+            await self.runner.repair(turn, journal=journal, history=history, agent=agent)
+        )
         if earlier is not None:
             turn.messages = [m for m in history if m.run_id == turn.run_id]
-        return RunResult(self._outcome_read(await self.runner.run(turn, journal, history, agent)))
+        return RunResult(
+            self._outcome_read(
+                await self.runner.run(turn, journal=journal, history=history, agent=agent)
+            )
+        )
 
     def _turn(self, body: RunCreate, *, tenant_id: str | None, key: str | None) -> Turn:
         return Turn(
@@ -333,7 +347,7 @@ class RunService:
                 return run, await MessageRepository(session).for_run(owner.key, run_id)
 
         (run, rows), ownerless = await read_runs_owned(
-            self.ownership, read, lambda stored: [stored[0]]
+            self.ownership, read=read, runs_of=lambda stored: [stored[0]]
         )
         summary = run_summary(run, ownerless=run.id in ownerless)
         messages = [MessageRead.of(row_to_message(r)) for r in rows]

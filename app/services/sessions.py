@@ -129,7 +129,9 @@ class SessionService:
                     limit=limit + 1,
                 )
 
-        rows, ownerless = await read_runs_owned(self.ownership, read, lambda rows: rows[:limit])
+        rows, ownerless = await read_runs_owned(
+            self.ownership, read=read, runs_of=lambda rows: rows[:limit]
+        )
         data = [run_summary(r, ownerless=r.id in ownerless) for r in rows[:limit]]
         cursor = next_after(
             rows, limit, lambda r: encode_cursor(r.created_at, r.id, listing=runs_list)
@@ -147,7 +149,9 @@ class SessionService:
                 await self._delete_held(session_id)
         except SessionBusy as busy:
             self.metrics.session_busy.inc()
-            active = await active_run(self.db, self.ownership, busy, session_id, since=asked)
+            active = await active_run(
+                self.db, ownership=self.ownership, busy=busy, session_id=session_id, since=asked
+            )
             raise SessionBusy(session_id, active) from busy
 
     async def _delete_held(self, session_id: str) -> None:

@@ -290,7 +290,10 @@ async def run(
         metrics=metrics or Metrics(),
     )
     outcome = await runner.run(
-        turn or new_turn(), journal, list(history or []), agent_of(registry, **agent_changes)
+        turn or new_turn(),
+        journal=journal,
+        history=list(history or []),
+        agent=agent_of(registry, **agent_changes),
     )
     return outcome, journal
 

@@ -46,7 +46,9 @@ async def repair(
     runner = AgentRunner(
         llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics or Metrics()
     )
-    results = await runner.repair(new_turn(), journal, history, registry.agent("main"))
+    results = await runner.repair(
+        new_turn(), journal=journal, history=history, agent=registry.agent("main")
+    )
     assert history == before
     assert journal.records == ([("repairs", results)] if results else [])
     return results
@@ -66,10 +68,14 @@ async def test_a_repair_is_counted_and_logged_only_once_stored(
     caplog.set_level(logging.INFO, logger="app.services.runner")
 
     with pytest.raises(SessionConflict):
-        await runner.repair(new_turn(), FailingRepairs(), history, registry.agent("main"))
+        await runner.repair(
+            new_turn(), journal=FailingRepairs(), history=history, agent=registry.agent("main")
+        )
     assert "repaired" not in caplog.text
     assert counted_tool_calls(metrics) == {}
-    await runner.repair(new_turn(), RecordingJournal(), history, registry.agent("main"))
+    await runner.repair(
+        new_turn(), journal=RecordingJournal(), history=history, agent=registry.agent("main")
+    )
     logged = [r for r in caplog.records if r.getMessage() == "repaired orphaned tool call"]
     assert [(r.tool_name, r.outcome) for r in logged] == [  # type: ignore[attr-defined]
         ("lookup", "reinvoked"),
@@ -90,7 +96,9 @@ async def test_a_runner_that_lost_the_session_reinvokes_nothing_in_a_repair(
     runner = AgentRunner(llm=ScriptedLLMClient(scripts={}), registry=registry, metrics=metrics)
 
     with pytest.raises(SessionConflict):
-        await runner.repair(new_turn(), journal, history, registry.agent("main"))
+        await runner.repair(
+            new_turn(), journal=journal, history=history, agent=registry.agent("main")
+        )
     assert probe.calls == []  # even the safe_to_retry lookup did not run again
     assert journal.checks == [0]
     assert journal.records == []

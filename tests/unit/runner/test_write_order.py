@@ -124,7 +124,9 @@ async def test_the_stateless_journal_runs_the_same_loop(
         registry=registry,
         metrics=metrics,
     )
-    outcome = await runner.run(new_turn(), Journal(), [], registry.agent("main"))
+    outcome = await runner.run(
+        new_turn(), journal=Journal(), history=[], agent=registry.agent("main")
+    )
     assert outcome.end == RunEnd(RunStatus.COMPLETE, "done")
     assert [name for name, _ in probe.calls] == ["note"]
     assert outcome.turn.messages[1].run_id == "run-1"

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
@@ -43,6 +41,16 @@ from app.db.outages import PG_CONNECTION_ERRORS
 from app.db.urls import pg_connector
 from app.errors import SessionBusy, SessionConflict
 from app.services.ownership import ActiveRuns
+from app.services.pg_locks import (
+    HELD_AMONG_SQL,
+    PG_FENCE_SQL,
+    PG_ROW_FENCE_SQL,
+    SESSION_LOCK_HELD,
+    Token,
+    key_parts,
+    lock_key,
+    new_token,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,48 +59,6 @@ T = TypeVar("T")
 # How long a lock statement whose deadline has passed is still given, from when the event loop
 # runs again, before the lock connection is dropped (see `_answered_within`).
 LAST_LOOK_S = 0.1
-
-# A pg_locks row `l` that is a runner's session lock: a granted exclusive advisory lock on a
-# bigint key, which pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1
-# (`_key_parts`). A lock connection's token is a lock on two int4 keys: objsubid = 2; a shared
-# lock on a session's key is a replica's question whether it is held (`HELD_AMONG_SQL`), over
-# with its statement.
-_SESSION_LOCK = (
-    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ExclusiveLock'"
-)
-
-# True while the lock connection whose token is (token_hi, token_lo) is alive: its session
-# lock on the token refuses the shared one asked for here. (Had it been granted, it lasts only
-# to the end of the writing transaction, and no lock connection takes a token already used.)
-PG_FENCE_SQL = (
-    "NOT pg_try_advisory_xact_lock_shared(CAST(:token_hi AS integer), CAST(:token_lo AS integer))"
-)
-# For a statement on the session's row (`session`): a volatile condition is a condition on
-# the row's scan, so PostgreSQL asks it again of the row's newest version when the statement
-# had to wait for another writer of the row (EvalPlanQual), who may have taken the session
-# meanwhile. Its value from the statement's start would not do: the lock may have been lost
-# during the wait.
-PG_ROW_FENCE_SQL = PG_FENCE_SQL
-
-# A session lock held by any runner of this database. Advisory locks are per database: another
-# database's on the same server with the same key are another deployment's sessions.
-SESSION_LOCK_HELD = (
-    f"{_SESSION_LOCK}"
-    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-)
-
-# The session lock keys, of those given, that a runner holds: its lock refuses the shared one
-# asked for here, which is granted otherwise and lasts to the statement's end. (One lookup in
-# the lock table each; asking pg_locks would copy every lock of the server.) On the lock
-# connection, which is granted its own sessions' keys: ask only of sessions not held here.
-HELD_AMONG_SQL = (
-    "SELECT k FROM unnest($1::bigint[]) AS k WHERE NOT pg_try_advisory_xact_lock_shared(k)"
-)
-
-
-def lock_key(session_id: str) -> int:
-    """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
-    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
 
 
 async def _answered_within(statement: Awaitable[T], timeout_s: float) -> T:
@@ -115,21 +81,6 @@ async def _answered_within(statement: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
-# A lock connection's token: two signed int4 advisory-lock keys.
-_Token = tuple[int, int]
-
-
-def _new_token() -> _Token:
-    """A random token, never one another lock connection holds or held (64 random bits)."""
-    return secrets.randbits(32) - 2**31, secrets.randbits(32) - 2**31
-
-
-def _key_parts(key: int) -> tuple[int, int]:
-    # pg_locks shows a bigint key as classid = high 32 bits, objid = low 32 bits, objsubid = 1.
-    unsigned = key & 0xFFFFFFFFFFFFFFFF
-    return unsigned >> 32, unsigned & 0xFFFFFFFF
-
-
 class PostgresOwnership:
     """Advisory locks on one connection per process, with heartbeat-based takeover."""
 
@@ -141,9 +92,9 @@ class PostgresOwnership:
         self._conn: asyncpg.Connection | None = None
         self._pid = -1
         # The current connection's token, and one never taken, for sessions not held.
-        self._token = self._unheld = _new_token()
+        self._token = self._unheld = new_token()
         # Sessions locked, each with the token of the connection it was locked on.
-        self._held: dict[str, _Token] = {}
+        self._held: dict[str, Token] = {}
         # Sessions still held by a turn whose lock went with an earlier connection (`retake`).
         self._lost: set[str] = set()
         self._io = asyncio.Lock()  # one query at a time on the lock connection
@@ -272,7 +223,7 @@ class PostgresOwnership:
     async def _connect(self) -> None:
         conn = await self._open()
         while True:  # a token someone holds is one in 2**64: draw again
-            token = _new_token()
+            token = new_token()
             row = await conn.fetchrow(
                 "SELECT pg_backend_pid() AS pid, pg_try_advisory_lock($1, $2) AS taken", *token
             )
@@ -382,7 +333,7 @@ class PostgresOwnership:
             self._drop(exc)
             raise ConnectionError("the ownership connection is down") from exc
 
-    async def _try_lock(self, key: int) -> _Token | None:
+    async def _try_lock(self, key: int) -> Token | None:
         """The token of the lock connection that took the session's lock; None if another
         runner holds it."""
         async with self._io:
@@ -395,7 +346,7 @@ class PostgresOwnership:
 
     async def _holder(self, key: int) -> tuple[int, float] | None:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
-        hi, lo = _key_parts(key)
+        hi, lo = key_parts(key)
         row = await self._query(
             f"""
             SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
@@ -411,7 +362,7 @@ class PostgresOwnership:
             return None
         return int(row["pid"]), float(row["idle_s"] or 0.0)
 
-    async def _take(self, key: int, *, from_stalled: bool) -> _Token | None:
+    async def _take(self, key: int, *, from_stalled: bool) -> Token | None:
         """The token of the lock connection that took the session's lock (`_try_lock`): at
         once, once a refusal with no runner's lock to be seen is over, or (`from_stalled`)
         from a holder that missed its heartbeats; None while a runner holds it.

@@ -21,7 +21,8 @@ from app.failpoints import Failpoints
 from app.llm.scripted import ScriptedLLMClient
 from app.metrics import Metrics
 from app.schemas.runs import RunCreate
-from app.services.pg_ownership import PostgresOwnership, lock_key
+from app.services.pg_locks import lock_key
+from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.services.sessions import SessionService

@@ -1,0 +1,65 @@
+"""The advisory locks PostgresOwnership holds (services/pg_ownership.py), as SQL and keys:
+a session's lock key, a lock connection's token, the fence on the token, and the questions
+whether a session's lock is held."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+# A pg_locks row `l` that is a runner's session lock: a granted exclusive advisory lock on a
+# bigint key, which pg_locks shows as (classid, objid) = (high, low 32 bits) and objsubid = 1
+# (`key_parts`). A lock connection's token is a lock on two int4 keys: objsubid = 2; a shared
+# lock on a session's key is a replica's question whether it is held (`HELD_AMONG_SQL`), over
+# with its statement.
+_SESSION_LOCK = (
+    "l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.mode = 'ExclusiveLock'"
+)
+
+# True while the lock connection whose token is (token_hi, token_lo) is alive: its session
+# lock on the token refuses the shared one asked for here. (Had it been granted, it lasts only
+# to the end of the writing transaction, and no lock connection takes a token already used.)
+PG_FENCE_SQL = (
+    "NOT pg_try_advisory_xact_lock_shared(CAST(:token_hi AS integer), CAST(:token_lo AS integer))"
+)
+# For a statement on the session's row (`session`): a volatile condition is a condition on
+# the row's scan, so PostgreSQL asks it again of the row's newest version when the statement
+# had to wait for another writer of the row (EvalPlanQual), who may have taken the session
+# meanwhile. Its value from the statement's start would not do: the lock may have been lost
+# during the wait.
+PG_ROW_FENCE_SQL = PG_FENCE_SQL
+
+# A session lock held by any runner of this database. Advisory locks are per database: another
+# database's on the same server with the same key are another deployment's sessions.
+SESSION_LOCK_HELD = (
+    f"{_SESSION_LOCK}"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+# The session lock keys, of those given, that a runner holds: its lock refuses the shared one
+# asked for here, which is granted otherwise and lasts to the statement's end. (One lookup in
+# the lock table each; asking pg_locks would copy every lock of the server.) On the lock
+# connection, which is granted its own sessions' keys: ask only of sessions not held here.
+HELD_AMONG_SQL = (
+    "SELECT k FROM unnest($1::bigint[]) AS k WHERE NOT pg_try_advisory_xact_lock_shared(k)"
+)
+
+
+def lock_key(session_id: str) -> int:
+    """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
+    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
+
+
+# A lock connection's token: two signed int4 advisory-lock keys.
+Token = tuple[int, int]
+
+
+def new_token() -> Token:
+    """A random token, never one another lock connection holds or held (64 random bits)."""
+    return secrets.randbits(32) - 2**31, secrets.randbits(32) - 2**31
+
+
+def key_parts(key: int) -> tuple[int, int]:
+    # pg_locks shows a bigint key as classid = high 32 bits, objid = low 32 bits, objsubid = 1.
+    unsigned = key & 0xFFFFFFFFFFFFFFFF
+    return unsigned >> 32, unsigned & 0xFFFFFFFF

@@ -79,8 +79,7 @@ def saturated(exc: BaseException) -> bool:
     """The database, or this process on its way to it, is out of a resource for now (SQLSTATE
     class 53: connections, memory, disk; or this process's file descriptors or memory): up,
     and worth waiting for, where an outage is not."""
-    sqlstate = _sqlstate(exc)
-    return (sqlstate is not None and sqlstate.startswith("53")) or _local_limit(exc) is not None
+    return _pg_exhausted(exc) or _local_limit(exc) is not None
 
 
 def is_outage(exc: Exception) -> bool:
@@ -110,10 +109,9 @@ def unavailable(exc: BaseException) -> DatabaseUnavailable:
     if isinstance(exc, PoolTimeoutError):  # not the database's state: this replica's pool
         log.warning("database connections all in use")
         return DatabaseUnavailable(POOL_BUSY_DETAIL)
-    sqlstate = _sqlstate(exc)
     if pg_read_only(exc):
         detail = READ_ONLY_DETAIL
-    elif sqlstate is not None and sqlstate.startswith("53"):
+    elif _pg_exhausted(exc):
         detail = EXHAUSTED_DETAIL
     elif _local_limit(exc) is not None:
         detail = REPLICA_EXHAUSTED_DETAIL
@@ -139,6 +137,12 @@ def _sqlstate(exc: BaseException) -> str | None:
         if isinstance(sqlstate, str):
             return sqlstate
     return None
+
+
+def _pg_exhausted(exc: BaseException) -> bool:
+    """PostgreSQL is out of a resource (SQLSTATE class 53)."""
+    sqlstate = _sqlstate(exc)
+    return sqlstate is not None and sqlstate.startswith("53")
 
 
 def _local_limit(exc: BaseException) -> int | None:

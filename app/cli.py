@@ -40,13 +40,13 @@ def _settings() -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        problems = "; ".join(_problem(e["loc"], e["msg"]) for e in exc.errors())
+        problems = "; ".join(_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
         raise click.ClickException(f"invalid environment: {problems}") from None
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, fmt=settings.log_format)
     return settings
 
 
-def _problem(loc: tuple[int | str, ...], msg: str) -> str:
+def _problem(loc: tuple[int | str, ...], *, msg: str) -> str:
     """One invalid variable, as `NAME: why` (a check across variables has no name)."""
     why = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
     return f"{'.'.join(map(str, loc)).upper()}: {why}" if loc else why
@@ -60,10 +60,10 @@ def _usable(database_url: str, *, serving: bool = False) -> None:
         if serving:
             check_sqlite_writable(database_url)
     except (DBAPIError, OSError, sqlite3.Error) as exc:
-        raise unusable_database(database_url, exc) from None
+        raise unusable_database(database_url, exc=exc) from None
 
 
-def unusable_database(database_url: str, exc: BaseException) -> click.ClickException:
+def unusable_database(database_url: str, *, exc: BaseException) -> click.ClickException:
     """One line: the database (its password hidden) and the driver's first line of why."""
     cause = exc.orig if isinstance(exc, DBAPIError) else exc
     text = str(cause).strip()
@@ -85,7 +85,7 @@ class DrainingServer(uvicorn.Server):
     after a crash, because every step it finished is already committed.
     """
 
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, *, lifecycle: Lifecycle) -> None:
         super().__init__(config)
         self._lifecycle = lifecycle
 
@@ -100,7 +100,8 @@ class DrainingServer(uvicorn.Server):
         with super().capture_signals():
             yield
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+    # Positional: uvicorn calls it so.
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # noqa: PLR0917
         if not self._lifecycle.draining:
             log.info("shutting down: no new runs; waiting for runs in progress")
         else:
@@ -120,7 +121,7 @@ def main() -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-def serve(host: str, port: int) -> None:
+def serve(host: str, *, port: int) -> None:
     """Upgrade the schema to the newest migration, then serve."""
     # Imported here: the app loads the anthropic SDK (~2 s), which `--help` and `migrate`
     # have no use for.
@@ -144,7 +145,7 @@ def serve(host: str, port: int) -> None:
         # uvicorn waits with asyncio.wait_for, which takes a fraction of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )
-    DrainingServer(config, _lifecycle(app)).run()
+    DrainingServer(config, lifecycle=_lifecycle(app)).run()
 
 
 def _lifecycle(app: FastAPI) -> Lifecycle:
@@ -207,6 +208,7 @@ def _stop_as_ctrl_c() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def bench(
     database_url: str | None,
+    *,
     sessions: int,
     warmup: int,
     steps: int,
@@ -221,7 +223,7 @@ def bench(
     from app.bench.scenario import BenchError, BenchOptions
     from app.bench.suite import run_bench
 
-    configure_logging("WARNING", "text")
+    configure_logging("WARNING", fmt="text")
     if database_url is not None:
         try:
             database_url = check_database_url(database_url)
@@ -249,5 +251,7 @@ def bench(
         sqlite3.Error,
     ) as exc:
         # database_url is None: the bench's own file, which is only ever made and used here.
-        raise unusable_database(database_url or "sqlite:///<temp folder>/bench.db", exc) from None
+        raise unusable_database(
+            database_url or "sqlite:///<temp folder>/bench.db", exc=exc
+        ) from None
     click.echo(report.to_json() if as_json else render(report))

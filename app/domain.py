@@ -26,7 +26,7 @@ def storable(value: _T) -> _T:
     return value
 
 
-def nests_deeper_than(value: Any, levels: int) -> bool:
+def nests_deeper_than(value: Any, *, levels: int) -> bool:
     """Whether objects and arrays nest in `value` more than `levels` deep (JSON that deep
     cannot be answered back: pydantic stops serialising at 255 levels)."""
     if isinstance(value, dict):
@@ -35,7 +35,7 @@ def nests_deeper_than(value: Any, levels: int) -> bool:
         children = value
     else:
         return False
-    return levels == 0 or any(nests_deeper_than(child, levels - 1) for child in children)
+    return levels == 0 or any(nests_deeper_than(child, levels=levels - 1) for child in children)
 
 
 def json_text(value: Any, *, separators: tuple[str, str] | None = None) -> str:
@@ -91,13 +91,13 @@ class ToolResult:
     is_error: bool = False
 
     @classmethod
-    def ok(cls, call: ToolCall, value: Any) -> ToolResult:
+    def ok(cls, call: ToolCall, *, value: Any) -> ToolResult:
         """A successful result; `value` must be JSON-serialisable (TypeError, ValueError or
         RecursionError if not; NaN and Infinity are not JSON)."""
         return cls(call.id, call.name, json_text(value, separators=(",", ":")), False)
 
     @classmethod
-    def error(cls, call: ToolCall, message: str) -> ToolResult:
+    def error(cls, call: ToolCall, *, message: str) -> ToolResult:
         """An error result the model can read: {"error": message}."""
         return cls(call.id, call.name, json_text({"error": message}), True)
 
@@ -129,7 +129,7 @@ def truncated_result(result: ToolResult, *, limit: int, head: str | None = None)
     return ToolResult(result.tool_call_id, result.tool_name, content, result.is_error)
 
 
-def durability_error(tool_name: str, tool_call_id: str) -> ToolResult:
+def durability_error(tool_name: str, *, tool_call_id: str) -> ToolResult:
     """The result stored for an orphaned call that is not safe to retry (CONTRACT §2)."""
     body = {
         "error": (
@@ -173,7 +173,7 @@ class Message:
         return cls(Role.USER, text)
 
     @classmethod
-    def assistant(cls, text: str, tool_calls: list[ToolCall] | None = None) -> Message:
+    def assistant(cls, text: str, *, tool_calls: list[ToolCall] | None = None) -> Message:
         """An assistant message, optionally asking for tool calls."""
         return cls(Role.ASSISTANT, text, list(tool_calls or []))
 

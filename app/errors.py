@@ -66,7 +66,7 @@ class SessionAgentMismatch(AppError):
     status = 409
     title = "Session bound to another agent"
 
-    def __init__(self, session_id: str, bound: str, requested: str) -> None:
+    def __init__(self, session_id: str, *, bound: str, requested: str) -> None:
         super().__init__(
             f"Session {session_id!r} is bound to agent {bound!r}, not {requested!r}.",
             bound_agent=bound,
@@ -79,7 +79,7 @@ class SessionBusy(AppError):
     title = "Session busy"
     retry_after_s = 1
 
-    def __init__(self, session_id: str, active_run_id: str | None) -> None:
+    def __init__(self, session_id: str, *, active_run_id: str | None) -> None:
         super().__init__(
             f"Session {session_id!r} has a run in progress; retry when it has finished.",
             active_run_id=active_run_id,
@@ -93,8 +93,8 @@ class SessionConflict(SessionBusy):
     """This runner may have lost the session (found at a durable write or before a
     dispatch); RunService answers SessionHoldLost instead when nobody else took it."""
 
-    def __init__(self, session_id: str, active_run_id: str | None = None) -> None:
-        super().__init__(session_id, active_run_id)
+    def __init__(self, session_id: str, *, active_run_id: str | None = None) -> None:
+        super().__init__(session_id, active_run_id=active_run_id)
         self.detail = (
             f"This runner no longer owns session {session_id!r} (another runner took it over); "
             "it stopped without writing or dispatching anything further (a tool call already"

@@ -94,7 +94,7 @@ class GraceEndFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str, fmt: str) -> None:
+def configure_logging(level: str, *, fmt: str) -> None:
     """Configure the root logger once, for the CLI."""
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
@@ -144,7 +144,8 @@ class AccessLog:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    # Positional: ASGI calls it so.
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

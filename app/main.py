@@ -36,7 +36,7 @@ from app.tools.agents_file import load_registry
 from app.tools.registry import ToolRegistry
 
 
-def build_ownership(db: Database, settings: Settings) -> Ownership:
+def build_ownership(db: Database, *, settings: Settings) -> Ownership:
     """Advisory locks where replicas can share the store (PostgreSQL); in-process otherwise."""
     if db.dialect == "postgresql":
         return PostgresOwnership(
@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     failpoints = Failpoints.parse(settings.failpoints)
     registry = load_registry(settings.agents_file, max_result_bytes=settings.tool_result_max_bytes)
     if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
-        _refuse_unknown_scripts(registry, settings.agents_file)
+        _refuse_unknown_scripts(registry, agents_file=settings.agents_file)
     # Set but empty is refused (ApiKeys.parse), not taken for unset: a deployment template
     # that lost its keys must not serve every tenant's data without one.
     api_keys = (
@@ -82,7 +82,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
                 max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
             )
             resources.push_async_callback(model.aclose)
-            ownership = build_ownership(db, settings)
+            ownership = build_ownership(db, settings=settings)
             resources.push_async_callback(ownership.stop)  # copes with a start cut short
             await ownership.start()
             runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
@@ -99,12 +99,12 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
             )
             yield
 
-    app = _api(lifespan, api_keys, lifecycle)
+    app = _api(lifespan, api_keys=api_keys, lifecycle=lifecycle)
     app.state.lifecycle = lifecycle
     return app
 
 
-def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) -> None:
+def _refuse_unknown_scripts(registry: ToolRegistry, *, agents_file: Path | None) -> None:
     source = agents_file or "the built-in example agents"
     problems = [
         f"{source}: agent {agent.name!r}: {problem}"
@@ -115,7 +115,7 @@ def _refuse_unknown_scripts(registry: ToolRegistry, agents_file: Path | None) ->
         raise ConfigError("\n".join(problems))
 
 
-def _api(lifespan: Lifespan[FastAPI], api_keys: ApiKeys | None, lifecycle: Lifecycle) -> FastAPI:
+def _api(lifespan: Lifespan[FastAPI], *, api_keys: ApiKeys | None, lifecycle: Lifecycle) -> FastAPI:
     """The routes, error handlers and middleware."""
     app = FastAPI(
         title="agent-runner",

@@ -161,7 +161,8 @@ class ServeProcess:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
+    # Positional: the context-manager protocol.
+    def __exit__(  # noqa: PLR0917
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -231,7 +232,8 @@ class ThreadedServer:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
+    # Positional: the context-manager protocol.
+    def __exit__(  # noqa: PLR0917
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,

@@ -162,7 +162,7 @@ UserId = Annotated[
 ]
 
 
-def _invalid(where: str, name: str, msg: str) -> dict[str, object]:
+def _invalid(where: str, *, name: str, msg: str) -> dict[str, object]:
     """One entry of a 422's `errors`, as FastAPI's own validation writes them."""
     return {"loc": (where, name), "msg": msg, "type": "value_error"}
 
@@ -177,14 +177,14 @@ async def plain_parameters(request: Request) -> None:
     taken = set(_query_names(route.dependant)) if isinstance(route, APIRoute) else set()
     query = [(name, value) for name, value in request.query_params.multi_items() if name in taken]
     errors = [
-        _invalid(where, name, "must not contain NUL characters")
+        _invalid(where, name=name, msg="must not contain NUL characters")
         for where, items in (("path", request.path_params.items()), ("query", query))
         for name, value in items
         if "\x00" in str(value)
     ]
     counts = Counter(name for name, _ in query)
     errors += [
-        _invalid("query", name, "must be sent once")
+        _invalid("query", name=name, msg="must be sent once")
         for name in sorted(name for name, count in counts.items() if count > 1)
     ]
     if errors:
@@ -201,7 +201,9 @@ def _query_names(dependant: Dependant) -> Iterator[str]:
 def one_idempotency_key(request: Request) -> None:
     """Two Idempotency-Key headers name no one turn: refused, not read as the first."""
     if len(request.headers.getlist("idempotency-key")) > 1:
-        raise RequestValidationError([_invalid("header", "Idempotency-Key", "must be sent once")])
+        raise RequestValidationError(
+            [_invalid("header", name="Idempotency-Key", msg="must be sent once")]
+        )
 
 
 def cut_off(lifecycle: Lifecycle) -> ShuttingDown | None:

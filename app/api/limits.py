@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import Lifecycle
 from app.api.problems import problem_response
-from app.errors import AppError, PayloadTooLarge, ShuttingDown
+from app.errors import PayloadTooLarge, ShuttingDown
 
 MAX_BODY_BYTES = 1024 * 1024
 
@@ -27,13 +27,14 @@ class BodySizeLimit:
         self.lifecycle = lifecycle
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    # Positional: ASGI calls it so.
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
         if scope["type"] != "http":  # every method: a body is a body, even on GET or DELETE
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(scope, receive, send, self._too_large())
+            await problem_response(self._too_large())(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -49,14 +50,14 @@ class BodySizeLimit:
                     "This replica is shutting down and read no more of this request (it"
                     " reached nothing); send it again, elsewhere."
                 )
-                await self._reject(scope, receive, send, cut_off)
+                await problem_response(cut_off)(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._reject(scope, receive, send, self._too_large())
+                await problem_response(self._too_large())(scope, receive, send)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -74,6 +75,3 @@ class BodySizeLimit:
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"The request body is over {self.limit} bytes.")
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, error: AppError) -> None:
-        await problem_response(error)(scope, receive, send)

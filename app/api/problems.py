@@ -54,7 +54,8 @@ async def _app_error(_: Request, exc: Exception) -> JSONResponse:
     return problem_response(exc)
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+# Positional: Starlette calls exception handlers so.
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:  # noqa: PLR0917
     assert isinstance(exc, RequestValidationError)
     errors = [
         {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type"))}
@@ -85,7 +86,8 @@ def _allowed_methods(request: Request) -> str | None:
     return ", ".join(sorted(methods)) or None
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+# Positional: Starlette calls exception handlers so.
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:  # noqa: PLR0917
     assert isinstance(exc, StarletteHTTPException)
     detail = str(exc.detail)
     if exc.status_code == 400:
@@ -106,7 +108,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(error)
 
 
-async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+# Positional: Starlette calls exception handlers so.
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:  # noqa: PLR0917
     if not is_outage(exc):
         if (changed := await _schema_changed(request, exc)) is not None:
             return problem_response(changed)
@@ -122,7 +125,8 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return _internal_error()
 
 
-async def _schema_changed(request: Request, exc: Exception) -> SchemaOutOfDate | None:
+# Positional: Starlette calls exception handlers so.
+async def _schema_changed(request: Request, exc: Exception) -> SchemaOutOfDate | None:  # noqa: PLR0917
     """After a database error the code did not expect: the schema's state, if it is no longer
     the code's (changed under a running replica, as /readyz then says), which explains it."""
     try:
@@ -182,12 +186,12 @@ def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:
         if error.code not in named:
             named.append(error.code)
     return {
-        status: {"model": Problem, **documented_problem(status, named)}
+        status: {"model": Problem, **documented_problem(status, codes=named)}
         for status, named in sorted(codes.items())
     }
 
 
-def documented_problem(status: int, codes: list[str]) -> dict[str, Any]:
+def documented_problem(status: int, *, codes: list[str]) -> dict[str, Any]:
     """The OpenAPI response of a problem of this status, naming the `codes` it may carry."""
     response: dict[str, Any] = {
         "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},

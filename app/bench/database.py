@@ -65,7 +65,8 @@ class TransactionCounter:
     def _on_rollback(self, conn: Any) -> None:
         self._dirty.discard(id(conn))
 
-    def _on_execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+    # Positional: SQLAlchemy calls it so.
+    def _on_execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:  # noqa: PLR0917
         verb = statement.lstrip()[:6].upper()
         if verb.startswith("BEGIN"):
             return
@@ -103,7 +104,8 @@ class TransactionCounter:
         self._locks_before = self.ownership.statements
         return self
 
-    def __exit__(
+    # Positional: the context-manager protocol.
+    def __exit__(  # noqa: PLR0917
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -125,7 +127,7 @@ class TransactionCounter:
         )
 
 
-async def stored_bytes(db: Database, database_url: str) -> int:
+async def stored_bytes(db: Database, *, database_url: str) -> int:
     """SQLite: the pages the file uses (its free pages, left by deleted rows, not counted);
     PostgreSQL: the scenario tables' size (in the bench's own schema: see own_schema)."""
     if db.dialect == "sqlite":
@@ -163,24 +165,24 @@ def own_schema(database_url: str) -> Iterator[str]:
         yield database_url
         return
     schema = f"agent_runner_bench_{uuid.uuid4().hex[:12]}"
-    _execute(database_url, f'CREATE SCHEMA "{schema}"', "create the bench's schema")
+    _execute(database_url, sql=f'CREATE SCHEMA "{schema}"', what="create the bench's schema")
     try:
         url = make_url(database_url).update_query_dict({"search_path": schema})
         yield url.render_as_string(hide_password=False)
     except BaseException:
         # The bench failed or was stopped: say so, whether or not the schema goes too.
         with contextlib.suppress(BenchError):
-            _drop(database_url, schema)
+            _drop(database_url, schema=schema)
         raise
-    _drop(database_url, schema)
+    _drop(database_url, schema=schema)
 
 
-def _drop(database_url: str, schema: str) -> None:
+def _drop(database_url: str, *, schema: str) -> None:
     what = f"drop the bench's schema {schema} (drop it by hand)"
-    _execute(database_url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', what)
+    _execute(database_url, sql=f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', what=what)
 
 
-def _execute(database_url: str, sql: str, what: str) -> None:
+def _execute(database_url: str, *, sql: str, what: str) -> None:
     async def run() -> None:
         conn = await pg_connector(database_url)()
         try:
@@ -197,7 +199,7 @@ def _execute(database_url: str, sql: str, what: str) -> None:
 
 @asynccontextmanager
 async def others_held(
-    database_url: str, count: int
+    database_url: str, *, count: int
 ) -> AsyncIterator[Callable[[bool], Awaitable[None]]]:
     """On one connection of its own, `hold(True)` takes `count` session-level advisory locks
     on random bigint keys, as many running sessions' owners hold theirs, and `hold(False)`
@@ -215,7 +217,7 @@ async def others_held(
         await conn.close()  # lets go of whatever it holds
 
 
-async def commit_floor(db: Database, store: JournalStore, options: BenchOptions) -> Stats:
+async def commit_floor(db: Database, *, store: JournalStore, options: BenchOptions) -> Stats:
     """2 x steps + 1 bare INSERT+COMMIT transactions the way durable writes go, in ms: on
     the driver, on PostgreSQL one statement in autocommit, on SQLite a `db.writes` body."""
 
@@ -224,7 +226,7 @@ async def commit_floor(db: Database, store: JournalStore, options: BenchOptions)
 
     async def transaction() -> None:
         if isinstance(store, PostgresJournalStore):
-            await store.fetchval(FLOOR_SQL_PG, [USER_MESSAGE])
+            await store.fetchval(FLOOR_SQL_PG, args=[USER_MESSAGE])
         else:
             assert isinstance(db.writes, InlineTransactor)
             await db.writes.transact_driver(bare)

@@ -60,7 +60,7 @@ def scenario_app(steps: int) -> Starlette:
     )
 
 
-def server_env(database_url: str, agents_file: Path, model_url: str) -> dict[str, str]:
+def server_env(database_url: str, *, agents_file: Path, model_url: str) -> dict[str, str]:
     """The server's environment: ours, minus anything that would change what it does."""
     dropped = ("ANTHROPIC_", "API_KEYS", "FAILPOINTS", "DATABASE_", "AGENTS_FILE", "LOG_")
     return {
@@ -83,7 +83,7 @@ def _session(client: httpx.Client, *, durable: bool, steps: int) -> float:
     elapsed = (time.perf_counter() - start) * 1000
     if response.status_code != 200:
         raise BenchError(f"POST /v1/runs answered {response.status_code}: {response.text[:500]}")
-    check_run(RunRead.model_validate(response.json()), steps)
+    check_run(RunRead.model_validate(response.json()), steps=steps)
     return elapsed
 
 
@@ -123,7 +123,7 @@ class ModelCalls:
         return 1000 * seconds / count if count else 0.0
 
 
-def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> HttpFigures:
+def measure_http(database_url: str, *, options: BenchOptions, workdir: Path) -> HttpFigures:
     """Stateless and durable sessions through HTTP, interleaved, after warm-up."""
     SLACK.reset()
     stateless: list[float] = []
@@ -132,7 +132,7 @@ def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> Htt
         agents_file = workdir / "bench-agents.yaml"
         tools = agents_yaml({AGENT: (HTTP_MODEL, options.steps)}, tools_url=f"{fake.url}/tools")
         agents_file.write_text(tools)
-        env = server_env(database_url, agents_file, fake.url)
+        env = server_env(database_url, agents_file=agents_file, model_url=fake.url)
         server = ServeProcess(env=env, log_path=workdir / "server.log")
         try:
             server.start()
@@ -153,7 +153,7 @@ def measure_http(database_url: str, options: BenchOptions, workdir: Path) -> Htt
     expected = 2 * (options.warmup + options.sessions) * options.steps
     side_effects = check_side_effects(expected)
     return HttpFigures(
-        sessions_of(stateless, durable, options.steps),
+        sessions_of(stateless, durable=durable, steps=options.steps),
         rss,
         side_effects,
         model_call_ms_stateless=calls.mean_ms(durable=False),

@@ -249,26 +249,26 @@ def targets(report: Report) -> list[Target]:
 LABEL = 44
 
 
-def _row(label: str, value: str, note: str = "") -> str:
+def _row(label: str, *, value: str, note: str = "") -> str:
     return f"  {label:<{LABEL}}{value:>10}{'   ' + note if note else ''}"
 
 
-def _stats_rows(label: str, stats: Stats) -> str:
+def _stats_rows(label: str, *, stats: Stats) -> str:
     note = f"(p90 {stats.p90:.2f}, min {stats.minimum:.2f}, n={stats.n})"
-    return _row(label, f"{stats.median:.2f}", note)
+    return _row(label, value=f"{stats.median:.2f}", note=note)
 
 
 def _session_rows(sessions: Sessions) -> list[str]:
     rows = [
-        _stats_rows("stateless session, ms", sessions.stateless_ms),
-        _stats_rows("durable session, ms", sessions.durable_ms),
-        _row("durable overhead per step, ms", f"{sessions.overhead_ms_per_step:.3f}"),
+        _stats_rows("stateless session, ms", stats=sessions.stateless_ms),
+        _stats_rows("durable session, ms", stats=sessions.durable_ms),
+        _row("durable overhead per step, ms", value=f"{sessions.overhead_ms_per_step:.3f}"),
     ]
     if sessions.stateless_cpu_ms is not None and sessions.durable_cpu_ms is not None:
         rows += [
-            _stats_rows("CPU of a stateless session, ms", sessions.stateless_cpu_ms),
-            _stats_rows("CPU of a durable session, ms", sessions.durable_cpu_ms),
-            _row("CPU overhead per step, ms", f"{sessions.overhead_cpu_ms_per_step:.3f}"),
+            _stats_rows("CPU of a stateless session, ms", stats=sessions.stateless_cpu_ms),
+            _stats_rows("CPU of a durable session, ms", stats=sessions.durable_cpu_ms),
+            _row("CPU overhead per step, ms", value=f"{sessions.overhead_cpu_ms_per_step:.3f}"),
         ]
     return rows
 
@@ -292,11 +292,11 @@ def render(report: Report) -> str:
         *_crowded_rows(report.service.crowded),
         *_long_session_rows(report.service.long_session),
         "",
-        _row("peak RSS of the bench process, MB", f"{report.peak_rss_mb:.1f}"),
+        _row("peak RSS of the bench process, MB", value=f"{report.peak_rss_mb:.1f}"),
         _row(
             "post_slack calls, each exactly once",
-            "yes" if report.side_effects["exactly_once"] else "NO",
-            f"({report.side_effects['counted']} counted, {report.side_effects['expected']}"
+            value="yes" if report.side_effects["exactly_once"] else "NO",
+            note=f"({report.side_effects['counted']} counted, {report.side_effects['expected']}"
             " expected)",
         ),
         "",
@@ -326,10 +326,10 @@ def _http_rows(http: HttpFigures) -> list[str]:
         *_session_rows(http.sessions),
         _row(
             "model call as the server times it, ms",
-            f"{http.model_call_ms_stateless:.2f} / {http.model_call_ms_durable:.2f}",
-            "(stateless / durable sessions; it touches no database)",
+            value=f"{http.model_call_ms_stateless:.2f} / {http.model_call_ms_durable:.2f}",
+            note="(stateless / durable sessions; it touches no database)",
         ),
-        _row("server peak RSS, MB", rss),
+        _row("server peak RSS, MB", value=rss),
     ]
 
 
@@ -339,17 +339,17 @@ def _database_rows(service: ServiceFigures) -> list[str]:
         "database",
         _row(
             "transactions per durable session",
-            str(txns.total),
-            f"({txns.writing} writing, {txns.read_only} read-only; {txns.statements} statements,"
-            f" {txns.checkouts} pool checkouts)",
+            value=str(txns.total),
+            note=f"({txns.writing} writing, {txns.read_only} read-only;"
+            f" {txns.statements} statements, {txns.checkouts} pool checkouts)",
         ),
         _row(
             "  + advisory-lock statements, own connection",
-            str(txns.lock_statements),
-            "(take and release the session: PostgreSQL only)",
+            value=str(txns.lock_statements),
+            note="(take and release the session: PostgreSQL only)",
         ),
-        _stats_rows(f"commit floor: {floor.transactions} INSERT+COMMIT, ms", floor.ms),
-        _row("durable overhead per session / floor", f"{floor.ratio:.2f}"),
+        _stats_rows(f"commit floor: {floor.transactions} INSERT+COMMIT, ms", stats=floor.ms),
+        _row("durable overhead per session / floor", value=f"{floor.ratio:.2f}"),
     ]
 
 
@@ -358,8 +358,8 @@ def _throughput_rows(rate: Throughput) -> list[str]:
         f"throughput: {rate.concurrency} concurrent durable sessions",
         _row(
             "sessions per second",
-            f"{rate.sessions_per_s:.1f}",
-            f"({rate.sessions} sessions in {rate.seconds:.2f} s)",
+            value=f"{rate.sessions_per_s:.1f}",
+            note=f"({rate.sessions} sessions in {rate.seconds:.2f} s)",
         ),
     ]
 
@@ -370,9 +370,9 @@ def _crowded_rows(crowded: Crowded | None) -> list[str]:
     return [
         f"other sessions held: {crowded.others:,} sessions' locks held meanwhile, on another"
         " connection",
-        _stats_rows("durable session, ms, none held", crowded.alone_ms),
-        _stats_rows(f"durable session, ms, {crowded.others:,} held", crowded.crowded_ms),
-        _row("difference per step, ms", f"{crowded.ms_per_step:.3f}"),
+        _stats_rows("durable session, ms, none held", stats=crowded.alone_ms),
+        _stats_rows(f"durable session, ms, {crowded.others:,} held", stats=crowded.crowded_ms),
+        _row("difference per step, ms", value=f"{crowded.ms_per_step:.3f}"),
         "",
     ]
 
@@ -381,13 +381,13 @@ def _long_session_rows(long: LongSession) -> list[str]:
     window = min(10, long.steps)
     return [
         f"long session: {long.steps} steps (service time between model calls)",
-        _row(f"ms per step, first {window} steps", f"{long.early_ms_per_step:.3f}"),
-        _row(f"ms per step, last {window} steps", f"{long.late_ms_per_step:.3f}"),
-        _row("late / early", f"{long.late_early_ratio:.2f}"),
+        _row(f"ms per step, first {window} steps", value=f"{long.early_ms_per_step:.3f}"),
+        _row(f"ms per step, last {window} steps", value=f"{long.late_ms_per_step:.3f}"),
+        _row("late / early", value=f"{long.late_early_ratio:.2f}"),
         _row(
             "bytes stored",
-            f"{long.bytes_stored:,}",
-            f"({long.bytes_per_step:.0f} per step, {long.messages} messages)",
+            value=f"{long.bytes_stored:,}",
+            note=f"({long.bytes_per_step:.0f} per step, {long.messages} messages)",
         ),
     ]
 

@@ -59,7 +59,7 @@ from app.tools.agents_file import parse_registry
 from app.tools.registry import ToolRegistry
 
 
-def check_run(run: RunRead, steps: int) -> None:
+def check_run(run: RunRead, *, steps: int) -> None:
     """Fail loudly unless the run went through the whole scenario."""
     expected = messages_per_session(steps)
     if run.status.value != "complete" or run.response != FINAL_TEXT:
@@ -80,7 +80,7 @@ class Rig:
     expected_effects: int = 0
 
     @classmethod
-    async def open(cls, database_url: str, options: BenchOptions) -> Rig:
+    async def open(cls, database_url: str, *, options: BenchOptions) -> Rig:
         """Build the service as the app's lifespan does."""
         settings = Settings(database_url=database_url)
         db = await Database.connect(database_url, pool_size=settings.database_pool_size)
@@ -92,7 +92,7 @@ class Rig:
         long_model = BenchModel(options.long_steps)
         llm = ScriptedLLMClient(scripts={AGENT: BenchModel(options.steps), LONG_AGENT: long_model})
         metrics = Metrics()
-        ownership = build_ownership(db, settings)
+        ownership = build_ownership(db, settings=settings)
         await ownership.start()
         runner = AgentRunner(llm=llm, registry=registry, metrics=metrics)
         service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
@@ -113,12 +113,12 @@ class Rig:
         start, cpu = time.perf_counter(), time.process_time()
         result = await self.service.create(body, tenant_id=None)
         elapsed = (time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000
-        check_run(result.run, steps)
+        check_run(result.run, steps=steps)
         self.expected_effects += steps
         return elapsed
 
 
-async def time_sessions(rig: Rig, options: BenchOptions) -> Sessions:
+async def time_sessions(rig: Rig, *, options: BenchOptions) -> Sessions:
     """Stateless and durable sessions, interleaved so drift hits both alike."""
     stateless: list[tuple[float, float]] = []
     durable: list[tuple[float, float]] = []
@@ -128,8 +128,12 @@ async def time_sessions(rig: Rig, options: BenchOptions) -> Sessions:
         if index >= options.warmup:
             stateless.append(a)
             durable.append(b)
-    wall = sessions_of([a for a, _ in stateless], [b for b, _ in durable], options.steps)
-    cpu = sessions_of([a for _, a in stateless], [b for _, b in durable], options.steps)
+    wall = sessions_of(
+        [a for a, _ in stateless], durable=[b for b, _ in durable], steps=options.steps
+    )
+    cpu = sessions_of(
+        [a for _, a in stateless], durable=[b for _, b in durable], steps=options.steps
+    )
     return replace(
         wall,
         stateless_cpu_ms=cpu.stateless_ms,
@@ -138,20 +142,20 @@ async def time_sessions(rig: Rig, options: BenchOptions) -> Sessions:
     )
 
 
-def sessions_of(stateless: list[float], durable: list[float], steps: int) -> Sessions:
+def sessions_of(stateless: list[float], *, durable: list[float], steps: int) -> Sessions:
     """Summaries of both kinds and the durable overhead per step."""
     a, b = Stats.of(stateless), Stats.of(durable)
     return Sessions(a, b, (b.median - a.median) / steps)
 
 
-async def count_transactions(rig: Rig, steps: int) -> Transactions:
+async def count_transactions(rig: Rig, *, steps: int) -> Transactions:
     """What one durable session asks of the database."""
     with TransactionCounter(rig.db, rig.service.store, rig.ownership) as counter:
         await rig.session(durable=True, steps=steps)
     return counter.result()
 
 
-async def throughput(rig: Rig, options: BenchOptions) -> Throughput:
+async def throughput(rig: Rig, *, options: BenchOptions) -> Throughput:
     """Durable sessions per second with `concurrency` workers running sessions back to back."""
 
     async def worker(count: int) -> None:
@@ -168,9 +172,9 @@ async def throughput(rig: Rig, options: BenchOptions) -> Throughput:
     return Throughput(workers, sessions, seconds, sessions / seconds)
 
 
-async def long_session(rig: Rig, database_url: str, steps: int) -> LongSession:
+async def long_session(rig: Rig, *, database_url: str, steps: int) -> LongSession:
     """One durable session of `steps` steps: per-step times early and late, bytes stored."""
-    before = await stored_bytes(rig.db, database_url)
+    before = await stored_bytes(rig.db, database_url=database_url)
     model = rig.long_model
     model.calls.clear()
     model.recording = True
@@ -178,7 +182,7 @@ async def long_session(rig: Rig, database_url: str, steps: int) -> LongSession:
         await rig.session(durable=True, steps=steps, agent=LONG_AGENT)
     finally:
         model.recording = False
-    after = await stored_bytes(rig.db, database_url)
+    after = await stored_bytes(rig.db, database_url=database_url)
     calls = model.calls
     # Step k is the service's work between the end of model call k and the start of call k+1.
     per_step = [(calls[k + 1][0] - calls[k][1]) * 1000 for k in range(steps)]
@@ -196,14 +200,14 @@ async def long_session(rig: Rig, database_url: str, steps: int) -> LongSession:
 OTHER_SESSIONS = 1000
 
 
-async def crowded(rig: Rig, database_url: str, options: BenchOptions) -> Crowded | None:
+async def crowded(rig: Rig, *, database_url: str, options: BenchOptions) -> Crowded | None:
     """Durable sessions alone and with OTHER_SESSIONS other sessions' locks held meanwhile,
     interleaved (PostgreSQL; None on SQLite, where one process holds every session)."""
     if rig.db.dialect != "postgresql":
         return None
     alone: list[float] = []
     among: list[float] = []
-    async with others_held(database_url, OTHER_SESSIONS) as hold:
+    async with others_held(database_url, count=OTHER_SESSIONS) as hold:
         for index in range(options.warmup + options.sessions):
             ms_alone, _ = await rig.session(durable=True, steps=options.steps)
             await hold(True)
@@ -230,19 +234,21 @@ def check_side_effects(expected: int) -> SideEffectCount:
     return count
 
 
-async def measure_service(database_url: str, options: BenchOptions) -> tuple[ServiceFigures, str]:
+async def measure_service(
+    database_url: str, *, options: BenchOptions
+) -> tuple[ServiceFigures, str]:
     """Every service-layer figure, and the database's version."""
     SLACK.reset()
-    rig = await Rig.open(database_url, options)
+    rig = await Rig.open(database_url, options=options)
     try:
-        sessions = await time_sessions(rig, options)
-        transactions = await count_transactions(rig, options.steps)
+        sessions = await time_sessions(rig, options=options)
+        transactions = await count_transactions(rig, steps=options.steps)
         # Before the concurrent sessions: PostgreSQL extends a table by many empty pages at
         # once when writers queue for it, and the long session's rows would fill those.
-        long = await long_session(rig, database_url, options.long_steps)
-        rate = await throughput(rig, options)
-        others = await crowded(rig, database_url, options)
-        floor = await commit_floor(rig.db, rig.service.store, options)
+        long = await long_session(rig, database_url=database_url, steps=options.long_steps)
+        rate = await throughput(rig, options=options)
+        others = await crowded(rig, database_url=database_url, options=options)
+        floor = await commit_floor(rig.db, store=rig.service.store, options=options)
         version = await database_version(rig.db)
     finally:
         await rig.close()

@@ -35,8 +35,8 @@ def run_bench(options: BenchOptions) -> Report:
         given = options.database_url or f"sqlite:///{workdir / 'bench.db'}"
         with own_schema(given) as url:
             upgrade(url)
-            service, version = asyncio.run(measure_service(url, options))
-            http = measure_http(url, options, workdir) if options.http else None
+            service, version = asyncio.run(measure_service(url, options=options))
+            http = measure_http(url, options=options, workdir=workdir) if options.http else None
     side_effects = service.side_effects + http.side_effects if http else service.side_effects
     report = Report(
         scenario={

@@ -29,13 +29,15 @@ class UTCDateTime(TypeDecorator[datetime]):
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+    # Positional: SQLAlchemy calls it so.
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:  # noqa: PLR0917
         if value is None:
             return None
         value = value.astimezone(UTC)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
-    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+    # Positional: SQLAlchemy calls it so.
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:  # noqa: PLR0917
         if value is None:
             return None
         assert isinstance(value, datetime)

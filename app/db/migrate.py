@@ -88,7 +88,7 @@ def _file_lock(database_url: str) -> Iterator[None]:
         os.close(fd)
 
 
-def upgrade(database_url: str, revision: str = "head") -> None:
+def upgrade(database_url: str, *, revision: str = "head") -> None:
     """Upgrade the schema to `revision`; memory:// has none to upgrade."""
     if database_url == MEMORY_URL:
         return
@@ -96,7 +96,7 @@ def upgrade(database_url: str, revision: str = "head") -> None:
         command.upgrade(alembic_config(database_url), revision)
 
 
-def downgrade(database_url: str, revision: str) -> None:
+def downgrade(database_url: str, *, revision: str) -> None:
     """Downgrade the schema to `revision` (used by the migration tests)."""
     with _in_process, _file_lock(database_url):
         command.downgrade(alembic_config(database_url), revision)

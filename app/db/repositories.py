@@ -103,7 +103,7 @@ class MessageRepository:
         )
         return [row_to_message(r) for r in rows]
 
-    async def overtaken(self, session_key: int, run_id: str) -> bool:
+    async def overtaken(self, session_key: int, *, run_id: str) -> bool:
         """Whether another run stored a message after this run's first one."""
         first = (
             select(func.min(models.Message.seq))
@@ -160,7 +160,7 @@ class MessageRepository:
             query = query.where(models.Message.seq > after_seq)
         return (await self._s.scalars(query.order_by(models.Message.seq).limit(limit))).all()
 
-    async def for_run(self, session_key: int, run_id: str) -> Sequence[models.Message]:
+    async def for_run(self, session_key: int, *, run_id: str) -> Sequence[models.Message]:
         """The messages a run stored, in order (a scan of its session's history: run_id has no
         index of its own, which would cost every message row more than this read saves)."""
         return (
@@ -180,7 +180,7 @@ class RunRepository:
         """The run row, or None."""
         return await self._s.get(models.Run, run_id)
 
-    async def by_idempotency_key(self, session_id: str, key: str) -> models.Run | None:
+    async def by_idempotency_key(self, session_id: str, *, key: str) -> models.Run | None:
         """The session's run started under `key`, if any."""
         return await self._s.scalar(
             select(models.Run).where(
@@ -200,7 +200,7 @@ class RunRepository:
             self._running(session_id).order_by(models.Run.created_at.desc()).limit(1)
         )
 
-    async def finished_since(self, session_id: str, moment: datetime) -> str | None:
+    async def finished_since(self, session_id: str, *, moment: datetime) -> str | None:
         """The run of the session that finished last, if that was at or after `moment`."""
         return await self._s.scalar(
             select(models.Run.id)

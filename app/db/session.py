@@ -203,23 +203,23 @@ class InlineTransactor:
 
     async def transact(self, body: Callable[[Connection], T]) -> T:
         try:
-            return self._run(self._engine, body)
+            return self._run(self._engine, body=body)
         except OperationalError as exc:
             if getattr(exc.orig, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
                 raise
-        return await asyncio.to_thread(self._run, self._waiting, body)
+        return await asyncio.to_thread(self._run, self._waiting, body=body)
 
     async def transact_driver(self, body: Callable[[sqlite3.Connection], T]) -> T:
         assert self._held is not None, "open() first"
         driver = self._held.dbapi_connection
         assert isinstance(driver, sqlite3.Connection)
         try:
-            return _driver_transaction(driver, body)
+            return _driver_transaction(driver, body=body)
         except _Busy:
             return await asyncio.to_thread(self._run_driver_waiting, body)
 
     @staticmethod
-    def _run(engine: Engine, body: Callable[[Connection], T]) -> T:
+    def _run(engine: Engine, *, body: Callable[[Connection], T]) -> T:
         with engine.begin() as conn:
             return body(conn)
 
@@ -227,7 +227,7 @@ class InlineTransactor:
         with self._waiting.connect() as conn:
             driver = conn.connection.dbapi_connection
             assert isinstance(driver, sqlite3.Connection)
-            return _driver_transaction(driver, body)
+            return _driver_transaction(driver, body=body)
 
     async def dispose(self) -> None:
         if self._held is not None:
@@ -240,7 +240,9 @@ class _Busy(Exception):
     """Another process holds the SQLite file's write lock."""
 
 
-def _driver_transaction(driver: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
+def _driver_transaction(
+    driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connection], T]
+) -> T:
     """BEGIN IMMEDIATE, the body, COMMIT — or ROLLBACK if anything fails."""
     try:
         driver.execute("BEGIN IMMEDIATE")

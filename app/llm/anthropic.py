@@ -219,7 +219,7 @@ def _read_tool_use(block: Any) -> ToolCall:
         raise _NotAMessage(f"tool_use name {name[:64]!r} is not 1-128 of A-Z a-z 0-9 _ -")
     if not isinstance(arguments, dict):
         raise _NotAMessage(f"tool_use {call_id!r} has an input that is not an object")
-    if nests_deeper_than(arguments, MAX_TOOL_INPUT_DEPTH):
+    if nests_deeper_than(arguments, levels=MAX_TOOL_INPUT_DEPTH):
         raise _NotAMessage(
             f"tool_use {call_id!r} has an input nested deeper than {MAX_TOOL_INPUT_DEPTH} levels"
         )

@@ -19,7 +19,7 @@ Script = Callable[[ModelRequest], ModelResponse]
 _SCRIPTS: dict[str, Script] = {}
 
 
-def register_script(name: str, fn: Script) -> None:
+def register_script(name: str, *, fn: Script) -> None:
     """Make `fn` answer for model `scripted:<name>` (replaces a script of the same name)."""
     _SCRIPTS[name] = fn
 
@@ -28,10 +28,10 @@ def unknown_script(model: str) -> str | None:
     """Why a `scripted:` model has no built-in script (None when it has, or is not scripted)."""
     if not model.startswith(PREFIX) or model.removeprefix(PREFIX) in _SCRIPTS:
         return None
-    return _unknown(model, _SCRIPTS)
+    return _unknown(model, scripts=_SCRIPTS)
 
 
-def _unknown(model: str, scripts: Mapping[str, Script]) -> str:
+def _unknown(model: str, *, scripts: Mapping[str, Script]) -> str:
     return f"unknown scripted model {model!r} (known: {', '.join(sorted(scripts)) or 'none'})"
 
 
@@ -48,10 +48,10 @@ class ScriptedLLMClient:
         scripts = _SCRIPTS if self._scripts is None else self._scripts
         script = scripts.get(name) if request.model.startswith(PREFIX) else None
         if script is None:
-            raise LLMError(_unknown(request.model, scripts), type="invalid_request_error")
+            raise LLMError(_unknown(request.model, scripts=scripts), type="invalid_request_error")
         response = script(request)
         if response.usage.total == 0:
-            response.usage = _estimate_usage(request, response)
+            response.usage = _estimate_usage(request, response=response)
         return response
 
     async def aclose(self) -> None:
@@ -66,7 +66,7 @@ def _calls_text(calls: list[ToolCall]) -> str:
     return json.dumps([call.as_json() for call in calls]) if calls else ""
 
 
-def _estimate_usage(request: ModelRequest, response: ModelResponse) -> Usage:
+def _estimate_usage(request: ModelRequest, *, response: ModelResponse) -> Usage:
     prompt = (request.system or "") + "".join(
         m.content + _calls_text(m.tool_calls) for m in request.messages
     )
@@ -97,7 +97,7 @@ def repaired_before_turn(messages: list[Message]) -> list[Message]:
     return found
 
 
-def tool_call_id(request: ModelRequest, step: int, tool_name: str) -> str:
+def tool_call_id(request: ModelRequest, *, step: int, tool_name: str) -> str:
     """A deterministic id, unique within a session because the history only grows."""
     seed = f"{len(request.messages)}:{step}:{tool_name}"
     return "toolu_" + hashlib.sha256(seed.encode()).hexdigest()[:24]
@@ -108,7 +108,7 @@ def final(text: str) -> ModelResponse:
     return ModelResponse(text=text, stop_reason="end_turn")
 
 
-def ask(text: str, calls: list[ToolCall]) -> ModelResponse:
+def ask(text: str, *, calls: list[ToolCall]) -> ModelResponse:
     """An assistant message asking for tool calls."""
     return ModelResponse(text=text, tool_calls=calls, stop_reason="tool_use")
 
@@ -148,35 +148,39 @@ def support_script(request: ModelRequest) -> ModelResponse:
     # API message as this turn's text, so they count as this turn's news.
     for result in [*results.values(), *repaired_before_turn(request.messages)]:
         if is_durability_error(result.content):
-            return final(_interrupted_report(result, order_id))
+            return final(_interrupted_report(result, order_id=order_id))
     # "Never send the same email twice" (its system prompt): unless asked to send it again.
     if not turn and AGAIN.search(user_text) is None:
         earlier = request.messages[: len(request.messages) - 1]
-        sent = _emailed_before(earlier, order_id)
+        sent = _emailed_before(earlier, order_id=order_id)
         if sent is not None:
-            return final(_already_emailed_report(sent, order_id))
+            return final(_already_emailed_report(sent, order_id=order_id))
     if "send_email" in results:
-        return final(_email_report(results["send_email"], order_id))
+        return final(_email_report(results["send_email"], order_id=order_id))
     lookup = results.get("lookup_order")
     if lookup is None:
         call = ToolCall(
-            tool_call_id(request, step, "lookup_order"), "lookup_order", {"order_id": order_id}
+            tool_call_id(request, step=step, tool_name="lookup_order"),
+            "lookup_order",
+            {"order_id": order_id},
         )
-        return ask(f"Let me look up order {order_id}.", [call])
+        return ask(f"Let me look up order {order_id}.", calls=[call])
     if lookup.is_error:
         return final(f"I could not look up order {order_id}: {_error_text(lookup)}")
     slow = re.search(r"\bslow\b", user_text, re.IGNORECASE) is not None
     arguments = {
         "to": CUSTOMER,
         "subject": _subject(order_id),
-        "body": _order_summary(order_id, parse_json(lookup.content)),
+        "body": _order_summary(order_id, order=parse_json(lookup.content)),
         "delay_s": SLOW_DELAY_S if slow else 0,
     }
-    call = ToolCall(tool_call_id(request, step, "send_email"), "send_email", arguments)
-    return ask(f"I found order {order_id}; emailing the customer an update.", [call])
+    call = ToolCall(
+        tool_call_id(request, step=step, tool_name="send_email"), "send_email", arguments
+    )
+    return ask(f"I found order {order_id}; emailing the customer an update.", calls=[call])
 
 
-def _emailed_before(messages: list[Message], order_id: str) -> Message | None:
+def _emailed_before(messages: list[Message], *, order_id: str) -> Message | None:
     """The result of the latest earlier send_email about this order that went out, or may have
     (a crash cut it off: the durability error), if any."""
     subject = _subject(order_id)
@@ -196,7 +200,7 @@ def _subject(order_id: str) -> str:
     return f"Your order {order_id}"
 
 
-def _order_summary(order_id: str, order: Any) -> str:
+def _order_summary(order_id: str, *, order: Any) -> str:
     if not isinstance(order, dict):
         return f"Here is an update on your order {order_id}."
     items = order.get("items") or []
@@ -218,7 +222,7 @@ def _error_text(message: Message) -> str:
     return message.content
 
 
-def _email_report(result: Message, order_id: str) -> str:
+def _email_report(result: Message, *, order_id: str) -> str:
     if result.is_error:
         return (
             f"I looked up order {order_id} but could not email the customer: {_error_text(result)}"
@@ -226,7 +230,7 @@ def _email_report(result: Message, order_id: str) -> str:
     return f"I looked up order {order_id} and emailed {CUSTOMER} an update{_message_id(result)}."
 
 
-def _already_emailed_report(result: Message, order_id: str) -> str:
+def _already_emailed_report(result: Message, *, order_id: str) -> str:
     if is_durability_error(result.content):
         return (
             f"An earlier email to {CUSTOMER} about order {order_id} may or may not have gone out"
@@ -246,7 +250,7 @@ def _message_id(result: Message) -> str:
     return f" (message id {message_id})" if message_id else ""
 
 
-def _interrupted_report(result: Message, order_id: str) -> str:
+def _interrupted_report(result: Message, *, order_id: str) -> str:
     if result.tool_name == "send_email":
         return (
             f"I was interrupted while emailing {CUSTOMER} about order {order_id}, so the email "
@@ -259,5 +263,5 @@ def _interrupted_report(result: Message, order_id: str) -> str:
     )
 
 
-register_script("echo", echo_script)
-register_script("support", support_script)
+register_script("echo", fn=echo_script)
+register_script("support", fn=support_script)

@@ -71,13 +71,13 @@ class Page(BaseModel, Generic[T]):
     next_after: str | None
 
 
-def next_after(rows: Sequence[R], limit: int, cursor: Callable[[R], str]) -> str | None:
+def next_after(rows: Sequence[R], *, limit: int, cursor: Callable[[R], str]) -> str | None:
     """The `next_after` of a page of `limit` rows, read as `limit + 1` to see whether more
     follow: the cursor of its last row, or None when it is the last page."""
     return cursor(rows[limit - 1]) if len(rows) > limit else None
 
 
-def encode_cursor(moment: datetime, key: str, *, listing: str) -> str:
+def encode_cursor(moment: datetime, *, key: str, listing: str) -> str:
     """An opaque cursor for keyset pagination on (timestamp, id) of the list `listing`."""
     raw = f"{listing}|{moment.isoformat()}|{key}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")

@@ -51,7 +51,7 @@ class RunCreate(BaseModel):
         # What we store and echo back must be strict JSON: no NaN/Infinity, no lone surrogates,
         # and shallow enough to serialise back (pydantic stops at 255 levels).
         if value is not None:
-            if nests_deeper_than(value, MAX_METADATA_DEPTH):
+            if nests_deeper_than(value, levels=MAX_METADATA_DEPTH):
                 raise ValueError(f"must not nest deeper than {MAX_METADATA_DEPTH} levels")
             try:
                 json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
@@ -103,7 +103,7 @@ class RunErrorRead(BaseModel):
     message: str
 
     @classmethod
-    def of(cls, type: str | None, message: str | None) -> RunErrorRead | None:
+    def of(cls, type: str | None, *, message: str | None) -> RunErrorRead | None:
         """The `error` field: null unless the run ended with an error type."""
         return None if type is None else cls(type=type, message=message or "")
 
@@ -181,7 +181,7 @@ class AgentRead(BaseModel):
     tools: list[ToolRead]
 
     @classmethod
-    def of(cls, agent: AgentConfig, tools: list[Tool]) -> AgentRead:
+    def of(cls, agent: AgentConfig, *, tools: list[Tool]) -> AgentRead:
         """The API shape of an agent."""
         return cls(
             name=agent.name,

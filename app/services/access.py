@@ -61,7 +61,7 @@ async def active_run(
             runs = RunRepository(session)
             active = await runs.latest_running(session_id)
             if active is None and not held:
-                active = await runs.finished_since(session_id, since - CLOCK_SLACK)
+                active = await runs.finished_since(session_id, moment=since - CLOCK_SLACK)
         if active is not None or not held or time.monotonic() > deadline:
             return active
         await asyncio.sleep(0.02)
@@ -105,7 +105,7 @@ def run_summary(run: models.Run, *, ownerless: bool) -> RunSummary:
         response=run.response,
         iterations=run.iterations,
         usage=UsageRead(input_tokens=run.input_tokens, output_tokens=run.output_tokens),
-        error=RunErrorRead.of(run.error_type, run.error_message),
+        error=RunErrorRead.of(run.error_type, message=run.error_message),
         stop_reason=run.stop_reason,
         metadata=run.metadata_ or {},
         created_at=run.created_at,

@@ -88,31 +88,31 @@ class Journal:
     journal (`Journal()`). `DurableJournal` writes each step; both name the run on every
     message of the turn (`run_id`), here."""
 
-    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
+    async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         """Start of a turn: the run, and the runs found dead (their runners died)."""
 
-    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+    async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         """Results for the calls orphaned by a dead run, all in one write."""
 
-    async def record_step(self, turn: Turn, assistant: Message) -> None:
+    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
-        self._number(turn, [assistant])
+        self._number(turn, messages=[assistant])
 
     async def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
-    async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
+    async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
         """Write #2: every tool result of the step, or none."""
-        self._number(turn, results)
+        self._number(turn, messages=results)
 
-    async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
+    async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
         """End of turn: the final answer (and the user message) and the run's outcome."""
-        self._number(turn, [final] if final is not None else [])
+        self._number(turn, messages=[final] if final is not None else [])
 
-    def _number(self, turn: Turn, messages: Sequence[Message]) -> None:
+    def _number(self, turn: Turn, *, messages: Sequence[Message]) -> None:
         """A stateless turn's messages get the `seq` and `created_at` a stored one would:
         the turn is all the history there is, so its user message is 1."""
-        self._stamp(turn, messages)
+        self._stamp(turn, messages=messages)
         now = utcnow()
         if turn.user_message.seq is None:
             turn.user_message.seq, turn.user_message.created_at = 1, turn.created_at
@@ -120,7 +120,7 @@ class Journal:
             message.seq, message.created_at = offset, now
 
     @staticmethod
-    def _stamp(turn: Turn, messages: Sequence[Message]) -> None:
+    def _stamp(turn: Turn, *, messages: Sequence[Message]) -> None:
         """The turn's messages, and its user message while not stored, name its run."""
         if not turn.user_stored:
             turn.user_message.run_id = turn.run_id
@@ -132,18 +132,14 @@ class DurableJournal(Journal):
     """Writes each step of a session's turn in its own fenced transaction."""
 
     def __init__(
-        self,
-        store: JournalStore,
-        failpoints: Failpoints,
-        ownership: Ownership,
-        metrics: Metrics,
+        self, store: JournalStore, *, failpoints: Failpoints, ownership: Ownership, metrics: Metrics
     ) -> None:
         self._store = store
         self._failpoints = failpoints
         self._ownership = ownership
         self._metrics = metrics
 
-    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
+    async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         new_run, run_values = None, None
         if turn.run_stored:  # a continued turn runs again
             run_values = {"status": RunStatus.RUNNING.value, "finished_at": None}
@@ -152,7 +148,7 @@ class DurableJournal(Journal):
         with self._metrics.write("start"):
             await self._write(
                 turn,
-                [],
+                batch=[],
                 touch=True,
                 new_run=new_run,
                 run_values=run_values,
@@ -161,15 +157,15 @@ class DurableJournal(Journal):
         turn.run_stored = True
         turn.stored_run_values = turn.run_values()
 
-    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+    async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         with self._metrics.write("repair"):
-            await self._write(turn, repairs, touch=False)
+            await self._write(turn, batch=repairs, touch=False)
 
-    async def record_step(self, turn: Turn, assistant: Message) -> None:
-        self._stamp(turn, [assistant])
+    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+        self._stamp(turn, messages=[assistant])
         self._failpoints.reach("before-write-1")
         with self._metrics.write("write1"):
-            await self._append(turn, [assistant])
+            await self._append(turn, messages=[assistant])
         self._failpoints.reach("after-write-1")
 
     async def check_owned(self, turn: Turn) -> None:
@@ -194,7 +190,7 @@ class DurableJournal(Journal):
         )
         return True
 
-    async def _settled(self, turn: Turn, write: JournalWrite) -> bool:
+    async def _settled(self, turn: Turn, *, write: JournalWrite) -> bool:
         """After the turn's write whose outcome is unknown (its connection and the session's
         hold ended together: a backend or the network, not the database): whether the session
         is taken again, its stored state either the one before this write (as `_regained`
@@ -223,12 +219,12 @@ class DurableJournal(Journal):
         found: list[int] = []
 
         async def expected() -> bool:
-            state = await self._store.stored(session_id, turn.run_id)
+            state = await self._store.stored(session_id, run_id=turn.run_id)
             if state in states:
                 found.append(states.index(state))
             return bool(found)
 
-        return found[0] if await self._ownership.retake(session_id, expected) else None
+        return found[0] if await self._ownership.retake(session_id, unchanged=expected) else None
 
     async def _send_again(self, write: JournalWrite) -> None:
         """The write once more, on the session taken again (as the store sends a write again:
@@ -240,17 +236,17 @@ class DurableJournal(Journal):
         except WriteOutcomeUnknown as unknown:
             raise unavailable(unknown.error) from unknown.error
 
-    async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
-        self._stamp(turn, results)
+    async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
+        self._stamp(turn, messages=results)
         self._failpoints.reach("after-handlers")
         before_commit = None
         if self._failpoints.armed:  # the rows are sent, the commit is not
             before_commit = partial(self._failpoints.reach, "in-write-2")
         with self._metrics.write("write2"):
-            await self._append(turn, results, before_commit=before_commit)
+            await self._append(turn, messages=results, before_commit=before_commit)
         self._failpoints.reach("after-write-2")
 
-    async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
+    async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
         values = {
             **turn.run_values(),
             "status": end.status.value,
@@ -260,21 +256,21 @@ class DurableJournal(Journal):
             "stop_reason": turn.stop_reason,
             "finished_at": turn.finished_at,
         }
-        self._stamp(turn, [final] if final is not None else [])
+        self._stamp(turn, messages=[final] if final is not None else [])
         self._failpoints.reach("before-final-write")
         with self._metrics.write("final"):
             # No final answer (every end but `complete`): only the run's end is written, and
             # a user message no step stored stays unstored (a failed first model call, §2).
             if final is None:
-                await self._write(turn, [], touch=True, run_values=values)
+                await self._write(turn, batch=[], touch=True, run_values=values)
             else:
-                await self._append(turn, [final], end=values)
+                await self._append(turn, messages=[final], end=values)
 
     async def _append(
         self,
         turn: Turn,
-        messages: Sequence[Message],
         *,
+        messages: Sequence[Message],
         end: dict[str, Any] | None = None,
         before_commit: Callable[[], None] | None = None,
     ) -> None:
@@ -288,7 +284,11 @@ class DurableJournal(Journal):
         if run_values is None and progress != turn.stored_run_values:
             run_values = progress
         await self._write(
-            turn, batch, touch=end is not None, run_values=run_values, before_commit=before_commit
+            turn,
+            batch=batch,
+            touch=end is not None,
+            run_values=run_values,
+            before_commit=before_commit,
         )
         turn.stored_run_values = progress
         turn.user_stored = True
@@ -296,8 +296,8 @@ class DurableJournal(Journal):
     async def _write(
         self,
         turn: Turn,
-        batch: Sequence[Message],
         *,
+        batch: Sequence[Message],
         touch: bool,
         new_run: dict[str, Any] | None = None,
         run_values: dict[str, Any] | None = None,
@@ -310,7 +310,9 @@ class DurableJournal(Journal):
         for offset, message in enumerate(batch, start=1):
             message.seq = turn.stored_count + offset
             message.created_at = now
-        new_session = None if turn.session_exists else self._new_session(turn, len(batch), now)
+        new_session = (
+            None if turn.session_exists else self._new_session(turn, added=len(batch), now=now)
+        )
         write = JournalWrite(
             session_id=turn.session_id,
             run_id=turn.run_id,
@@ -332,13 +334,13 @@ class DurableJournal(Journal):
                 raise
             await self._send_again(write)
         except WriteOutcomeUnknown as unknown:
-            if not await self._settled(turn, write):
+            if not await self._settled(turn, write=write):
                 raise unavailable(unknown.error) from unknown.error
         turn.stored_count += len(batch)
         turn.session_exists = True
 
     @staticmethod
-    def _new_session(turn: Turn, added: int, now: datetime) -> dict[str, Any]:
+    def _new_session(turn: Turn, *, added: int, now: datetime) -> dict[str, Any]:
         return {
             "id": turn.session_id,
             "agent": turn.agent,

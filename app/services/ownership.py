@@ -63,10 +63,10 @@ class ActiveRuns:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(existing.settled.wait(), left)
             if existing.run_id is not None or self._claims.get(session_id) is existing:
-                raise SessionBusy(session_id, existing.run_id)
+                raise SessionBusy(session_id, active_run_id=existing.run_id)
         self._claims[session_id] = _Claim()
 
-    def confirm(self, session_id: str, run_id: str) -> None:
+    def confirm(self, session_id: str, *, run_id: str) -> None:
         """The session is owned and `run_id`, now stored, runs on it."""
         claim = self._claims[session_id]
         claim.run_id = run_id
@@ -126,7 +126,7 @@ class Ownership(Protocol):
         """Raise SessionConflict if this process can no longer be sure it owns the session."""
         ...
 
-    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+    async def retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         """After a SessionConflict of a session this process holds: whether it took the
         session again, its hold having ended with a connection rather than to another runner,
         and `unchanged()` says nothing was stored to it meanwhile (another runner may have
@@ -218,7 +218,7 @@ class LocalOwnership:
     async def check(self, session_id: str) -> None:
         return None
 
-    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+    async def retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         return False  # a hold here ends only with the process
 
     async def is_held(self, session_id: str) -> bool:

@@ -61,7 +61,7 @@ T = TypeVar("T")
 LAST_LOOK_S = 0.1
 
 
-async def _answered_within(statement: Awaitable[T], timeout_s: float) -> T:
+async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
     """The statement's result, or TimeoutError if it has none `timeout_s` after it was asked for.
 
     Timed here, not by asyncpg, so that a deadline that passed while the event loop was held
@@ -125,7 +125,7 @@ class PostgresOwnership:
             key = lock_key(session_id)
             token = await self._take(key, from_stalled=True)
             if token is None:
-                raise SessionBusy(session_id, None)
+                raise SessionBusy(session_id, active_run_id=None)
             self._held[session_id] = token
             try:
                 yield
@@ -169,7 +169,7 @@ class PostgresOwnership:
         if self._conn is None or self._conn.is_closed() or self._stale() or lost:
             raise SessionConflict(session_id)
 
-    async def retake(self, session_id: str, unchanged: Callable[[], Awaitable[bool]]) -> bool:
+    async def retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         """Take again a session held by a turn of this process whose lock went with an earlier
         lock connection, if no other runner holds it now and `unchanged()` then says nothing
         was stored to it meanwhile (another runner may have taken it over and let it go).
@@ -255,7 +255,9 @@ class PostgresOwnership:
                 # As of sending: an answer that waited (this process stopped, its loop held
                 # up) says the connection was alive then, not when it is read.
                 sent = time.monotonic()
-                await _answered_within(conn.fetchval("SELECT 1"), self._statement_timeout_s)
+                await _answered_within(
+                    conn.fetchval("SELECT 1"), timeout_s=self._statement_timeout_s
+                )
             self._last_beat = sent
         except ConnectionError:
             raise
@@ -301,10 +303,10 @@ class PostgresOwnership:
         rows; a failed connection, or one that does not answer in `_statement_timeout_s`, is
         dropped and reported as ConnectionError (503)."""
         async with self._io:
-            return await self._answer(sql, args, result)
+            return await self._answer(sql, args=args, result=result)
 
     async def _answer(
-        self, sql: str, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
+        self, sql: str, *, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
     ) -> Any:
         """`_query`'s statement (call with `_io` held). A connection that failed under it is
         replaced and the statement sent once more: the server had ended it unseen (a backend
@@ -312,21 +314,21 @@ class PostgresOwnership:
         the database. Every statement here may run again: a lock taken on the failed
         connection went with it."""
         try:
-            return await self._send(sql, args, result)
+            return await self._send(sql, args=args, result=result)
         except ConnectionError as lost:
             if isinstance(lost.__cause__, TimeoutError):
                 raise
-            return await self._send(sql, args, result)
+            return await self._send(sql, args=args, result=result)
 
     async def _send(
-        self, sql: str, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
+        self, sql: str, *, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
     ) -> Any:
         """`_query`'s one try (call with `_io` held)."""
         self.statements += 1
         conn = await self._connection()
         fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
         try:
-            return await _answered_within(fetch(sql, *args), self._statement_timeout_s)
+            return await _answered_within(fetch(sql, *args), timeout_s=self._statement_timeout_s)
         except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
             # Unanswered, it would hold `_io`, and with it the heartbeat that would have
             # noticed: every request of the process would wait on the connection forever.
@@ -337,7 +339,9 @@ class PostgresOwnership:
         """The token of the lock connection that took the session's lock; None if another
         runner holds it."""
         async with self._io:
-            taken = await self._answer("SELECT pg_try_advisory_lock($1)", (key,), "value")
+            taken = await self._answer(
+                "SELECT pg_try_advisory_lock($1)", args=(key,), result="value"
+            )
             return self._token if taken else None  # the connection that answered
 
     async def _unlock(self, key: int) -> None:

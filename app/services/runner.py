@@ -53,7 +53,7 @@ _NAMED_STOPS = frozenset({"max_tokens", "model_context_window_exceeded", "refusa
 STOP_REASON_MAX = 64
 
 
-def _call_not_made(reason: str, agent: AgentConfig, last_text: str | None) -> RunEnd:
+def _call_not_made(reason: str, *, agent: AgentConfig, last_text: str | None) -> RunEnd:
     """How a run ends when its model's answer asks for tools but stopped other than to call
     them (cut off at max_tokens or the context window, refused, paused): a call's input may
     be incomplete, or the call not meant, so none is made and nothing of the answer stored
@@ -83,7 +83,7 @@ class _Limits:
     failed_steps: int = 0
     warned: bool = False
 
-    def after_step(self, turn: Turn, results: Sequence[Message]) -> RunStatus | None:
+    def after_step(self, turn: Turn, *, results: Sequence[Message]) -> RunStatus | None:
         """The status the run stops with after these results, or None to go on."""
         self.failed_steps = self.failed_steps + 1 if all(m.is_error for m in results) else 0
         if self.failed_steps >= self.agent.stuck_threshold:
@@ -133,7 +133,7 @@ class AgentRunner:
         results: list[Message] = []
         outcomes: list[str] = []
         for call in orphans:
-            result = await self._reinvoke(turn, journal, call, agent)
+            result = await self._reinvoke(turn, journal=journal, call=call, agent=agent)
             message = Message.tool(result)
             message.run_id = history[index].run_id
             results.append(message)
@@ -142,9 +142,9 @@ class AgentRunner:
             )
         if not results:
             return results
-        await journal.record_repairs(turn, results)
+        await journal.record_repairs(turn, repairs=results)
         for call, outcome in zip(orphans, outcomes, strict=True):  # counted once stored
-            self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
+            self._metrics.tool_calls.labels(_tool_label(call, agent=agent), outcome).inc()
             log.info(
                 "repaired orphaned tool call",
                 extra={"tool_call_id": call.id, "tool_name": call.name, "outcome": outcome},
@@ -152,15 +152,15 @@ class AgentRunner:
         return results
 
     async def _reinvoke(
-        self, turn: Turn, journal: Journal, call: ToolCall, agent: AgentConfig
+        self, turn: Turn, *, journal: Journal, call: ToolCall, agent: AgentConfig
     ) -> ToolResult:
         tool = self._registry.tool(call.name)
         if tool is None or not tool.safe_to_retry or call.name not in agent.tools:
-            return durability_error(call.name, call.id)
+            return durability_error(call.name, tool_call_id=call.id)
         # As before any dispatch: a runner that lost the session (paused, then taken over)
         # runs nothing more of it, even a tool that may run twice.
         await journal.check_owned(turn)
-        return await self._invoke(turn, call, agent)
+        return await self._invoke(turn, call=call, agent=agent)
 
     async def run(
         self, turn: Turn, *, journal: Journal, history: list[Message], agent: AgentConfig
@@ -185,28 +185,38 @@ class AgentRunner:
                 break
             turn.iterations += 1
             request = ModelRequest(agent.model, limits.system, messages, tools, agent.max_tokens)
-            response = await self._ask(turn, agent, request, last_text, call_ids)
+            response = await self._ask(
+                turn, agent=agent, request=request, last_text=last_text, call_ids=call_ids
+            )
             if isinstance(response, RunEnd):
                 end = response
                 break
-            assistant = Message.assistant(response.text, response.tool_calls)
+            assistant = Message.assistant(response.text, tool_calls=response.tool_calls)
             last_text = response.text
             if not response.tool_calls:
                 end = RunEnd(RunStatus.COMPLETE, last_text)
-                await self._finish(turn, journal, assistant, end)
+                await self._finish(turn, journal=journal, final=assistant, end=end)
                 return RunOutcome(end, turn)
-            await self._step(turn, journal, agent, assistant, response, messages)
+            await self._step(
+                turn,
+                journal=journal,
+                agent=agent,
+                assistant=assistant,
+                response=response,
+                messages=messages,
+            )
             call_ids.update(call.id for call in response.tool_calls)
-            stop = limits.after_step(turn, messages[-len(response.tool_calls) :])
+            stop = limits.after_step(turn, results=messages[-len(response.tool_calls) :])
             if stop is not None:
                 end = RunEnd(stop, last_text)
                 break
-        await self._finish(turn, journal, None, end)
+        await self._finish(turn, journal=journal, final=None, end=end)
         return RunOutcome(end, turn)
 
     async def _ask(
         self,
         turn: Turn,
+        *,
         agent: AgentConfig,
         request: ModelRequest,
         last_text: str | None,
@@ -220,7 +230,7 @@ class AgentRunner:
         try:
             response = await self._complete(request)
         except LLMError as exc:
-            return _failed(last_text, exc)
+            return _failed(last_text, error=exc)
         except Exception as exc:  # an adapter bug must end the run, not answer a 500
             log.exception("model call raised", extra={"run_id": turn.run_id})
             return RunEnd(
@@ -232,12 +242,12 @@ class AgentRunner:
         # run: this is what tells it from a finished one).
         turn.stop_reason = None if reason is None else reason[:STOP_REASON_MAX]
         if response.tool_calls and reason not in _DISPATCHING:
-            return _call_not_made(str(reason), agent, last_text)
+            return _call_not_made(str(reason), agent=agent, last_text=last_text)
         reused = next((c.id for c in response.tool_calls if c.id in call_ids), None)
         if reused is not None:
             error = not_a_message(f"tool_use id {reused[:64]!r} was used by an earlier call")
             log.warning("model answer refused", extra={"error_type": error.type})
-            return _failed(last_text, error)
+            return _failed(last_text, error=error)
         return response
 
     async def _complete(self, request: ModelRequest) -> ModelResponse:
@@ -254,6 +264,7 @@ class AgentRunner:
     async def _step(
         self,
         turn: Turn,
+        *,
         journal: Journal,
         agent: AgentConfig,
         assistant: Message,
@@ -266,7 +277,11 @@ class AgentRunner:
         of its grace), and the turn stops after it. Cut off, a call in flight would lose its
         result (§2's error on resume, though it may have taken effect), and after write #1
         the calls not yet made would too (they are told from made ones only by write #2)."""
-        step = asyncio.create_task(self._step_writes(turn, journal, agent, assistant, response))
+        step = asyncio.create_task(
+            self._step_writes(
+                turn, journal=journal, agent=agent, assistant=assistant, response=response
+            )
+        )
         self._steps.add(step)
         step.add_done_callback(self._steps.discard)
         try:
@@ -283,26 +298,30 @@ class AgentRunner:
     async def _step_writes(
         self,
         turn: Turn,
+        *,
         journal: Journal,
         agent: AgentConfig,
         assistant: Message,
         response: ModelResponse,
     ) -> list[Message]:
         """The step's messages, stored: the assistant's, then its calls' results."""
-        await journal.record_step(turn, assistant)
+        await journal.record_step(turn, assistant=assistant)
         turn.messages.append(assistant)
         results = [
-            Message.tool(r) for r in await self._dispatch(turn, journal, agent, response.tool_calls)
+            Message.tool(r)
+            for r in await self._dispatch(
+                turn, journal=journal, agent=agent, calls=response.tool_calls
+            )
         ]
-        await journal.record_results(turn, results)
+        await journal.record_results(turn, results=results)
         turn.messages.extend(results)
         return [assistant, *results]
 
     async def _finish(
-        self, turn: Turn, journal: Journal, final: Message | None, end: RunEnd
+        self, turn: Turn, *, journal: Journal, final: Message | None, end: RunEnd
     ) -> None:
         turn.finished_at = utcnow()
-        await journal.record_end(turn, final, end)
+        await journal.record_end(turn, final=final, end=end)
         if final is not None:
             turn.messages.append(final)
         elif not turn.user_stored and turn.messages and turn.messages[-1] is turn.user_message:
@@ -311,7 +330,7 @@ class AgentRunner:
             turn.messages.pop()
 
     async def _dispatch(
-        self, turn: Turn, journal: Journal, agent: AgentConfig, calls: Sequence[ToolCall]
+        self, turn: Turn, *, journal: Journal, agent: AgentConfig, calls: Sequence[ToolCall]
     ) -> list[ToolResult]:
         """Run the step's calls in order; neighbouring `parallel` tools run concurrently."""
         limit = asyncio.Semaphore(agent.max_tool_concurrency)
@@ -321,7 +340,7 @@ class AgentRunner:
         async def limited(call: ToolCall) -> ToolResult:
             async with limit:
                 await journal.check_owned(turn)  # a runner that lost the session dispatches nothing
-                return await self._execute(turn, call, agent)
+                return await self._execute(turn, call=call, agent=agent)
 
         async def flush() -> None:
             if batch:
@@ -342,34 +361,34 @@ class AgentRunner:
                 continue
             await flush()
             await journal.check_owned(turn)
-            results.append(await self._execute(turn, call, agent))
+            results.append(await self._execute(turn, call=call, agent=agent))
         await flush()
         return results
 
-    async def _execute(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
-        result = await self._invoke(turn, call, agent)
+    async def _execute(self, turn: Turn, *, call: ToolCall, agent: AgentConfig) -> ToolResult:
+        result = await self._invoke(turn, call=call, agent=agent)
         outcome = "error" if result.is_error else "ok"
-        self._metrics.tool_calls.labels(_tool_label(call, agent), outcome).inc()
+        self._metrics.tool_calls.labels(_tool_label(call, agent=agent), outcome).inc()
         return result
 
-    async def _invoke(self, turn: Turn, call: ToolCall, agent: AgentConfig) -> ToolResult:
+    async def _invoke(self, turn: Turn, *, call: ToolCall, agent: AgentConfig) -> ToolResult:
         """Run the call's handler (the registry validates its input and turns failures into
         error results)."""
         with logs.bound(tool_call_id=call.id):
             return await self._registry.execute(
-                call, self._context(turn, call), allowed=agent.tools
+                call, ctx=self._context(turn, call=call), allowed=agent.tools
             )
 
     @staticmethod
-    def _context(turn: Turn, call: ToolCall) -> ToolContext:
+    def _context(turn: Turn, *, call: ToolCall) -> ToolContext:
         return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)
 
 
-def _failed(last_text: str | None, error: LLMError) -> RunEnd:
+def _failed(last_text: str | None, *, error: LLMError) -> RunEnd:
     """How a run ends when its model call failed (CONTRACT §3: status `error`)."""
     return RunEnd(RunStatus.ERROR, last_text, error_type=error.type, error_message=error.message)
 
 
-def _tool_label(call: ToolCall, agent: AgentConfig) -> str:
+def _tool_label(call: ToolCall, *, agent: AgentConfig) -> str:
     """The call's tool as a metric label: names the model invents share one value."""
     return call.name if call.name in agent.tools else "unknown"

@@ -95,7 +95,9 @@ class RunService:
     metrics: Metrics
 
     def __post_init__(self) -> None:
-        self.store = journal_store(self.db, self.ownership.fence_sql, self.ownership.row_fence_sql)
+        self.store = journal_store(
+            self.db, fence_sql=self.ownership.fence_sql, row_fence_sql=self.ownership.row_fence_sql
+        )
 
     async def settle(self) -> None:
         """At shutdown, before the database, the ownership and the tools' clients close: wait
@@ -147,19 +149,23 @@ class RunService:
                     try:
                         await stack.enter_async_context(self.ownership.hold(body.session_id))
                     except SessionBusy as busy:
-                        refused = await self._refuse(busy, turn, body, retry_until=deadline)
+                        refused = await self._refuse(
+                            busy, turn=turn, body=body, retry_until=deadline
+                        )
                         if refused is None:  # the holder left without running a turn
                             continue
                         return refused
-                    return await _answer(await self._run_owned(turn, body), stack)
+                    return await _answer(await self._run_owned(turn, body=body), held=stack)
         except SessionConflict as lost:
             if await self._hold_ended_untaken(turn):
                 raise SessionHoldLost(body.session_id) from lost
             # Another runner took the session over: name its run.
-            raise SessionConflict(body.session_id, await self._active_run(lost, turn)) from lost
+            raise SessionConflict(
+                body.session_id, active_run_id=await self._active_run(lost, turn=turn)
+            ) from lost
 
     async def _refuse(
-        self, busy: SessionBusy, turn: Turn, body: RunCreate, *, retry_until: float
+        self, busy: SessionBusy, *, turn: Turn, body: RunCreate, retry_until: float
     ) -> RunResult | None:
         """The session is busy: answer as if it were not for what does not depend on that
         (404/403 to other tenants and users, 409 agent mismatch, 422 key reuse, the replay of
@@ -167,15 +173,15 @@ class RunService:
         None: nobody ran a turn on it after all (another replica held it to refuse or replay
         a request), so try again, until `retry_until`."""
         assert body.session_id is not None
-        earlier = await self._precheck(turn, body)
+        earlier = await self._precheck(turn, body=body)
         if earlier is not None:  # a keyed turn that will not run again: its record
-            return await self._replay(earlier, turn)
-        active = await self._active_run(busy, turn)
+            return await self._replay(earlier, turn=turn)
+        active = await self._active_run(busy, turn=turn)
         if active is None and time.monotonic() < retry_until:
             return None
-        raise SessionBusy(body.session_id, active)
+        raise SessionBusy(body.session_id, active_run_id=active)
 
-    async def _replay(self, earlier: models.Run, turn: Turn) -> RunResult:
+    async def _replay(self, earlier: models.Run, *, turn: Turn) -> RunResult:
         """The stored answer of the keyed run `earlier`, logged under its id (not the one this
         request would have used)."""
         logs.bind(run_id=earlier.id)
@@ -196,7 +202,7 @@ class RunService:
             run = await RunRepository(session).get(turn.run_id)
         return run is None or run.status == RunStatus.RUNNING.value
 
-    async def _active_run(self, busy: SessionBusy, turn: Turn) -> str | None:
+    async def _active_run(self, busy: SessionBusy, *, turn: Turn) -> str | None:
         assert turn.session_id is not None
         return await active_run(
             self.db,
@@ -206,25 +212,27 @@ class RunService:
             since=turn.created_at,
         )
 
-    async def _run_owned(self, turn: Turn, body: RunCreate) -> RunResult:
+    async def _run_owned(self, turn: Turn, *, body: RunCreate) -> RunResult:
         logs.bind(run_id=turn.run_id)
         agent = self.registry.agent(body.agent)
-        stored = await self._load(turn, body)
+        stored = await self._load(turn, body=body)
         history, earlier = stored.history, stored.earlier
         if earlier is not None:
             if not stored.goes_on:
-                return await self._replay(earlier, turn)
-            self._continue(turn, earlier, history)
+                return await self._replay(earlier, turn=turn)
+            self._continue(turn, earlier=earlier, history=history)
             logs.bind(run_id=turn.run_id)
-        journal = DurableJournal(self.store, self.failpoints, self.ownership, self.metrics)
+        journal = DurableJournal(
+            self.store, failpoints=self.failpoints, ownership=self.ownership, metrics=self.metrics
+        )
         # The run is stored, and the dead runs end, before any repair re-runs a tool (which
         # may take a while): meanwhile a 409 names this run, and no dead run looks alive.
         interrupted = [r for r in stored.left_running if r != turn.run_id]
-        await journal.record_start(turn, interrupted)
+        await journal.record_start(turn, interrupted=interrupted)
         if interrupted:  # their runners died: this is where they end
             self.metrics.runs.labels(body.agent, RunStatus.INTERRUPTED.value).inc(len(interrupted))
         assert turn.session_id is not None
-        self.ownership.active.confirm(turn.session_id, turn.run_id)
+        self.ownership.active.confirm(turn.session_id, run_id=turn.run_id)
         history.extend(
             await self.runner.repair(turn, journal=journal, history=history, agent=agent)
         )
@@ -259,25 +267,29 @@ class RunService:
         if body.session_id is None or idempotency_key is None or not self.db.durable:
             return None
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
-        earlier = await self._precheck(turn, body)
-        return None if earlier is None else await self._replay(earlier, turn)
+        earlier = await self._precheck(turn, body=body)
+        return None if earlier is None else await self._replay(earlier, turn=turn)
 
     @read_again_if_disconnected
-    async def _precheck(self, turn: Turn, body: RunCreate) -> models.Run | None:
+    async def _precheck(self, turn: Turn, *, body: RunCreate) -> models.Run | None:
         """May the caller use the session? The run an earlier request with this key started,
         if it will not run again (its record is the answer; see `_goes_on`)."""
         async with self.db.reads.begin() as session:
-            row = await self._usable_session(session, turn, body)
+            row = await self._usable_session(session, turn=turn, body=body)
             if row is None:
                 return None
-            earlier = await self._keyed(RunRepository(session), row.id, turn, body)
-            if earlier is None or await _goes_on(MessageRepository(session), row.key, earlier):
+            earlier = await self._keyed(
+                RunRepository(session), session_id=row.id, turn=turn, body=body
+            )
+            if earlier is None or await _goes_on(
+                MessageRepository(session), session_key=row.key, earlier=earlier
+            ):
                 return None
             return earlier
 
     @staticmethod
     async def _usable_session(
-        session: AsyncSession, turn: Turn, body: RunCreate
+        session: AsyncSession, *, turn: Turn, body: RunCreate
     ) -> models.Session | None:
         """The session this turn names, once the caller may run a turn of this agent on it."""
         assert body.session_id is not None
@@ -285,17 +297,17 @@ class RunService:
         if row is not None:
             check_session_access(row, tenant_id=turn.tenant_id, user_id=body.user_id, for_turn=True)
             if row.agent != body.agent:
-                raise SessionAgentMismatch(row.id, row.agent, body.agent)
+                raise SessionAgentMismatch(row.id, bound=row.agent, requested=body.agent)
         return row
 
     @staticmethod
     async def _keyed(
-        runs: RunRepository, session_id: str, turn: Turn, body: RunCreate
+        runs: RunRepository, *, session_id: str, turn: Turn, body: RunCreate
     ) -> models.Run | None:
         """The run an earlier request with this turn's key started; another body is refused."""
         if turn.idempotency_key is None:
             return None
-        run = await runs.by_idempotency_key(session_id, turn.idempotency_key)
+        run = await runs.by_idempotency_key(session_id, key=turn.idempotency_key)
         if run is None or run.request_fingerprint == turn.fingerprint:
             return run
         if run.request_fingerprint != fingerprint(body, floats_as_sent=True):
@@ -303,25 +315,26 @@ class RunService:
         return run
 
     @read_again_if_disconnected
-    async def _load(self, turn: Turn, body: RunCreate) -> _Stored:
+    async def _load(self, turn: Turn, *, body: RunCreate) -> _Stored:
         """Check the caller may use the session; what it holds for this turn."""
         async with self.db.reads.begin() as session:
-            row = await self._usable_session(session, turn, body)
+            row = await self._usable_session(session, turn=turn, body=body)
             if row is None:
                 return _Stored()
             turn.session_exists = True
             turn.stored_count = row.message_count
             runs, messages = RunRepository(session), MessageRepository(session)
-            earlier = await self._keyed(runs, row.id, turn, body)
+            earlier = await self._keyed(runs, session_id=row.id, turn=turn, body=body)
             return _Stored(
                 history=await messages.history(row.key),
                 left_running=await runs.running_ids(row.id),
                 earlier=earlier,
-                goes_on=earlier is not None and await _goes_on(messages, row.key, earlier),
+                goes_on=earlier is not None
+                and await _goes_on(messages, session_key=row.key, earlier=earlier),
             )
 
     @staticmethod
-    def _continue(turn: Turn, earlier: models.Run, history: list[Message]) -> None:
+    def _continue(turn: Turn, *, earlier: models.Run, history: list[Message]) -> None:
         """Pick an interrupted turn up where it stopped, under its own run_id."""
         turn.run_id = earlier.id
         turn.run_stored = True
@@ -344,7 +357,7 @@ class RunService:
                 if run is None or owner is None or owner.tenant_id != tenant_id:
                     raise RunNotFound(run_id)
                 check_session_access(owner, tenant_id=tenant_id, user_id=user_id, for_turn=False)
-                return run, await MessageRepository(session).for_run(owner.key, run_id)
+                return run, await MessageRepository(session).for_run(owner.key, run_id=run_id)
 
         (run, rows), ownerless = await read_runs_owned(
             self.ownership, read=read, runs_of=lambda stored: [stored[0]]
@@ -367,7 +380,7 @@ class RunService:
             usage=UsageRead(
                 input_tokens=turn.usage.input_tokens, output_tokens=turn.usage.output_tokens
             ),
-            error=RunErrorRead.of(end.error_type, end.error_message),
+            error=RunErrorRead.of(end.error_type, message=end.error_message),
             stop_reason=turn.stop_reason,
             metadata=turn.run_metadata,
             created_at=turn.created_at,
@@ -385,7 +398,7 @@ class _Stored:
     goes_on: bool = False  # whether `earlier` is continued (see `_goes_on`)
 
 
-async def _goes_on(messages: MessageRepository, session_key: int, earlier: models.Run) -> bool:
+async def _goes_on(messages: MessageRepository, *, session_key: int, earlier: models.Run) -> bool:
     """Whether the keyed turn `earlier`, found again, is continued rather than answered from
     its record: one still stored `running` (its runner died, no turn has started since), or
     one a later turn's start stored `interrupted` (the database's order, not the replicas'
@@ -397,11 +410,11 @@ async def _goes_on(messages: MessageRepository, session_key: int, earlier: model
     if earlier.status == RunStatus.RUNNING.value:
         return True
     return earlier.status == RunStatus.INTERRUPTED.value and not await messages.overtaken(
-        session_key, earlier.id
+        session_key, run_id=earlier.id
     )
 
 
-async def _answer(result: RunResult, held: AsyncExitStack) -> RunResult:
+async def _answer(result: RunResult, *, held: AsyncExitStack) -> RunResult:
     """Release the session and answer the turn, which is stored by now. Shutdown may cancel
     the release (on PostgreSQL a round trip): the answer stands all the same, since a 503
     "cut off before the run finished" would have its client run the finished turn again."""

@@ -49,11 +49,13 @@ class SessionService:
     ) -> SessionRead:
         """One session with its status."""
         async with self.db.reads.begin() as session:
-            row = await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
-            waiting = await self._waiting(session, [row])
+            row = await self._visible(
+                session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
+            )
+            waiting = await self._waiting(session, rows=[row])
         held = await self.ownership.held_among([session_id])
-        waiting = await self._still_waiting([row], waiting, held)
-        return _session_read(row, _status(held=bool(held), orphans=bool(waiting)))
+        waiting = await self._still_waiting([row], waiting=waiting, held=held)
+        return _session_read(row, status=_status(held=bool(held), orphans=bool(waiting)))
 
     @read_again_if_disconnected
     async def list(
@@ -74,16 +76,18 @@ class SessionService:
                 after=decode_cursor(after, listing=SESSIONS_LIST) if after else None,
                 limit=limit + 1,
             )
-            waiting = await self._waiting(session, rows[:limit])
+            waiting = await self._waiting(session, rows=rows[:limit])
         # One ownership lookup for the page, outside the transaction.
         held = await self.ownership.held_among([r.id for r in rows[:limit]])
-        waiting = await self._still_waiting(rows[:limit], waiting, held)
+        waiting = await self._still_waiting(rows[:limit], waiting=waiting, held=held)
         page = [
-            _session_read(r, _status(held=r.id in held, orphans=r.id in waiting))
+            _session_read(r, status=_status(held=r.id in held, orphans=r.id in waiting))
             for r in rows[:limit]
         ]
         cursor = next_after(
-            rows, limit, lambda r: encode_cursor(r.updated_at, r.id, listing=SESSIONS_LIST)
+            rows,
+            limit=limit,
+            cursor=lambda r: encode_cursor(r.updated_at, key=r.id, listing=SESSIONS_LIST),
         )
         return Page(data=page, next_after=cursor)
 
@@ -100,12 +104,16 @@ class SessionService:
         """The history in order."""
         after_seq = decode_seq(after) if after else None
         async with self.db.reads.begin() as session:
-            row = await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+            row = await self._visible(
+                session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
+            )
             rows = await MessageRepository(session).page(
                 row.key, after_seq=after_seq, limit=limit + 1
             )
         data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
-        return Page(data=data, next_after=next_after(rows, limit, lambda r: str(r.seq)))
+        return Page(
+            data=data, next_after=next_after(rows, limit=limit, cursor=lambda r: str(r.seq))
+        )
 
     @read_again_if_disconnected
     async def runs(
@@ -122,7 +130,9 @@ class SessionService:
 
         async def read() -> Sequence[models.Run]:
             async with self.db.reads.begin() as session:
-                await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+                await self._visible(
+                    session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
+                )
                 return await RunRepository(session).list_for_session(
                     session_id,
                     after=decode_cursor(after, listing=runs_list) if after else None,
@@ -134,7 +144,9 @@ class SessionService:
         )
         data = [run_summary(r, ownerless=r.id in ownerless) for r in rows[:limit]]
         cursor = next_after(
-            rows, limit, lambda r: encode_cursor(r.created_at, r.id, listing=runs_list)
+            rows,
+            limit=limit,
+            cursor=lambda r: encode_cursor(r.created_at, key=r.id, listing=runs_list),
         )
         return Page(data=data, next_after=cursor)
 
@@ -152,7 +164,7 @@ class SessionService:
             active = await active_run(
                 self.db, ownership=self.ownership, busy=busy, session_id=session_id, since=asked
             )
-            raise SessionBusy(session_id, active) from busy
+            raise SessionBusy(session_id, active_run_id=active) from busy
 
     async def _delete_held(self, session_id: str) -> None:
         """The delete, while this runner holds the session. Should its connection end under
@@ -185,11 +197,13 @@ class SessionService:
         self, session_id: str, *, tenant_id: str | None, user_id: str | None
     ) -> None:
         async with self.db.reads.begin() as session:
-            await self._visible(session, session_id, tenant_id=tenant_id, user_id=user_id)
+            await self._visible(
+                session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
+            )
 
     @staticmethod
     async def _waiting(
-        session: AsyncSession, rows: Sequence[models.Session]
+        session: AsyncSession, *, rows: Sequence[models.Session]
     ) -> dict[str, frozenset[str]]:
         """The sessions with calls waiting for a result, and those calls' ids."""
         steps = await MessageRepository(session).last_tool_steps([r.key for r in rows])
@@ -197,7 +211,7 @@ class SessionService:
         return {s: frozenset(c.id for c in calls) for s, calls in waiting.items() if calls}
 
     async def _still_waiting(
-        self, rows: Sequence[models.Session], waiting: dict[str, frozenset[str]], held: set[str]
+        self, rows: Sequence[models.Session], *, waiting: dict[str, frozenset[str]], held: set[str]
     ) -> dict[str, frozenset[str]]:
         """`waiting` (as read before `held` was asked), less the sessions nobody holds whose
         calls no longer wait when read again: their turn answered them and ended between the
@@ -207,13 +221,13 @@ class SessionService:
         if not doubted:
             return waiting
         async with self.db.reads.begin() as session:
-            again = await self._waiting(session, doubted)
+            again = await self._waiting(session, rows=doubted)
         answered = {r.id for r in doubted if not waiting[r.id] & again.get(r.id, frozenset())}
         return {s: calls for s, calls in waiting.items() if s not in answered}
 
     @staticmethod
     async def _visible(
-        session: AsyncSession, session_id: str, *, tenant_id: str | None, user_id: str | None
+        session: AsyncSession, *, session_id: str, tenant_id: str | None, user_id: str | None
     ) -> models.Session:
         row = await SessionRepository(session).get(session_id)
         if row is None:
@@ -228,7 +242,7 @@ def _status(*, held: bool, orphans: bool) -> SessionStatus:
     return SessionStatus.NEEDS_RESUME if orphans else SessionStatus.IDLE
 
 
-def _session_read(row: models.Session, status: SessionStatus) -> SessionRead:
+def _session_read(row: models.Session, *, status: SessionStatus) -> SessionRead:
     return SessionRead(
         id=row.id,
         agent=row.agent,

@@ -152,24 +152,24 @@ def parse_registry(
     text: str, *, label: str, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
 ) -> ToolRegistry:
     """Build a registry from agents-file YAML; `label` names the file in error messages."""
-    spec = _parse_file(text, label)
+    spec = _parse_file(text, label=label)
     problems: list[str] = []
     http = SharedHttpClient(max_body_bytes=max_result_bytes)
     tools: dict[str, Tool] = {}
     for name, entry in spec.tools.items():
         try:
-            tools[name] = _build_tool(name, entry, http)
+            tools[name] = _build_tool(name, entry=entry, http=http)
         except _Problem as exc:
             problems.append(f"{label}: tool {name!r}: {exc}")
     agents: dict[str, AgentConfig] = {}
     for name, agent_entry in spec.agents.items():
         try:
-            agents[name] = _build_agent(name, agent_entry, spec.tools)
+            agents[name] = _build_agent(name, entry=agent_entry, tools=spec.tools)
         except _Problem as exc:
             problems.append(f"{label}: agent {name!r}: {exc}")
     if problems:
         raise ConfigError("\n".join(problems))
-    return ToolRegistry(tools, agents, http=http, max_result_bytes=max_result_bytes)
+    return ToolRegistry(tools, agents=agents, http=http, max_result_bytes=max_result_bytes)
 
 
 class _Problem(Exception):
@@ -180,7 +180,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that rejects duplicate keys instead of silently keeping the last one."""
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+# Positional: PyYAML calls constructors so.
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:  # noqa: PLR0917
     # The mapping's own keys only: a key merged in with `<<` is one the mapping may override.
     seen: set[Any] = set()
     for key_node, _ in node.value:
@@ -208,7 +209,7 @@ _UniqueKeyLoader.add_constructor(
 )
 
 
-def _parse_file(text: str, label: str) -> AgentsFile:
+def _parse_file(text: str, *, label: str) -> AgentsFile:
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
@@ -221,7 +222,7 @@ def _parse_file(text: str, label: str) -> AgentsFile:
     try:
         return AgentsFile.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError("\n".join(_describe(label, err) for err in exc.errors())) from exc
+        raise ConfigError("\n".join(_describe(label, err=err) for err in exc.errors())) from exc
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -234,7 +235,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return "; ".join(parts) + where
 
 
-def _describe(label: str, err: Any) -> str:
+def _describe(label: str, *, err: Any) -> str:
     """One pydantic error as `<file>: tool 'x': http.timeout_s: <message>`."""
     loc: list[Any] = list(err["loc"])
     owner = ""
@@ -248,14 +249,14 @@ def _describe(label: str, err: Any) -> str:
     return f"{label}: {owner}{where + ': ' if where else ''}{err['msg']}"
 
 
-def _build_tool(name: str, entry: ToolEntry, http: SharedHttpClient) -> Tool:
+def _build_tool(name: str, *, entry: ToolEntry, http: SharedHttpClient) -> Tool:
     _check_name(name)
     if (entry.http is None) == (entry.python is None):
         raise _Problem("exactly one of http or python is required")
     schema = _check_schema(entry.input_schema)
     handler: ToolHandler
     if entry.http is not None:
-        handler = _http_handler(entry.http, http)
+        handler = _http_handler(entry.http, http=http)
         default_description = None
         if entry.timeout_s is not None:
             raise _Problem("timeout_s is for python tools; an http tool sets http.timeout_s")
@@ -288,7 +289,7 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     if schema is None:
         return dict(DEFAULT_INPUT_SCHEMA)
     # Deeper, it could not be checked (Python's recursion limit) nor listed by /v1/agents.
-    if nests_deeper_than(schema, MAX_SCHEMA_DEPTH):
+    if nests_deeper_than(schema, levels=MAX_SCHEMA_DEPTH):
         raise _Problem(f"input_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         Draft202012Validator.check_schema(schema)
@@ -303,7 +304,7 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     return schema
 
 
-def _http_handler(target: HttpTarget, http: SharedHttpClient) -> HttpToolHandler:
+def _http_handler(target: HttpTarget, *, http: SharedHttpClient) -> HttpToolHandler:
     try:
         url = httpx.URL(target.url)
     except httpx.InvalidURL as exc:
@@ -329,7 +330,7 @@ def _http_handler(target: HttpTarget, http: SharedHttpClient) -> HttpToolHandler
     return HttpToolHandler(target.url, client=http, timeout_s=target.timeout_s, headers=headers)
 
 
-def _build_agent(name: str, entry: AgentEntry, tools: Mapping[str, ToolEntry]) -> AgentConfig:
+def _build_agent(name: str, *, entry: AgentEntry, tools: Mapping[str, ToolEntry]) -> AgentConfig:
     _check_name(name)
     if entry.journal == "per_call":
         raise _Problem("per_call journal is not supported yet; use journal: per_step")

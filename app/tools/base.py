@@ -26,7 +26,8 @@ class ToolContext:
 
 
 class ToolHandler(Protocol):
-    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+    # Positional: the tool handler interface (README).
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:  # noqa: PLR0917
         """Run the tool; return a JSON-serialisable value or raise ToolFailed / any Exception."""
         ...
 

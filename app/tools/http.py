@@ -73,7 +73,8 @@ class HttpToolHandler:
         self.headers = dict(headers or {})
         self._client = client
 
-    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+    # Positional: the tool handler interface (README).
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:  # noqa: PLR0917
         """POST `arguments`; return the 2xx JSON answer or raise ToolFailed."""
         headers = {**self.headers, "Idempotency-Key": ctx.idempotency_key}
         try:
@@ -85,7 +86,7 @@ class HttpToolHandler:
                     "POST", self.url, json=arguments, headers=headers, timeout=self.timeout_s
                 ) as response,
             ):
-                body, whole = await _read(response, self._client.max_body_bytes)
+                body, whole = await _read(response, limit=self._client.max_body_bytes)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolFailed(
                 f"timed out after {self.timeout_s:g}s calling {self.shown}; it may or may not"
@@ -98,15 +99,15 @@ class HttpToolHandler:
                 # acted on it, and the model must not take the error for "nothing happened".
                 detail += "; it may or may not have taken effect"
             raise ToolFailed(f"request to {self.shown} failed: {detail}") from exc
-        return self._result(response, body, whole=whole)
+        return self._result(response, body=body, whole=whole)
 
-    def _result(self, response: httpx.Response, body: bytes, *, whole: bool) -> Any:
+    def _result(self, response: httpx.Response, *, body: bytes, whole: bool) -> Any:
         status = response.status_code
         if not 200 <= status < 300:
-            excerpt = _text(response, body)[:BODY_EXCERPT_CHARS]
+            excerpt = _text(response, body=body)[:BODY_EXCERPT_CHARS]
             raise ToolFailed(f"HTTP {status} from {self.shown}: {excerpt}")
         if not whole:
-            raise ResultTooLarge(_text(response, body))
+            raise ResultTooLarge(_text(response, body=body))
         if not body.strip():
             # An empty 2xx (e.g. 204) means the call succeeded with nothing to say. Reporting it
             # as an error would invite the model to repeat a side effect that already happened.
@@ -116,14 +117,14 @@ class HttpToolHandler:
             # too deep to parse is not JSON to us either.
             return json.loads(body, parse_constant=_not_json)
         except (ValueError, RecursionError) as exc:
-            excerpt = _text(response, body)[:BODY_EXCERPT_CHARS]
+            excerpt = _text(response, body=body)[:BODY_EXCERPT_CHARS]
             raise ToolFailed(
                 f"HTTP {status} from {self.shown} but the body is not JSON (the request was "
                 f"accepted, so it may have taken effect): {excerpt}"
             ) from exc
 
 
-def _text(response: httpx.Response, body: bytes) -> str:
+def _text(response: httpx.Response, *, body: bytes) -> str:
     """The body as text, in its charset where that names a text encoding, else UTF-8."""
     try:
         return body.decode(response.encoding or "utf-8", errors="replace")
@@ -131,7 +132,7 @@ def _text(response: httpx.Response, body: bytes) -> str:
         return body.decode("utf-8", errors="replace")
 
 
-async def _read(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+async def _read(response: httpx.Response, *, limit: int) -> tuple[bytes, bool]:
     """The body's first `limit` bytes, and whether that is all of it (the rest is not read:
     a tool answering a gigabyte takes no more of the runner's memory than the limit)."""
     chunks: list[bytes] = []

@@ -39,8 +39,8 @@ class ToolRegistry:
     def __init__(
         self,
         tools: Mapping[str, Tool],
-        agents: Mapping[str, AgentConfig],
         *,
+        agents: Mapping[str, AgentConfig],
         http: SharedHttpClient | None = None,
         max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
     ) -> None:
@@ -69,14 +69,14 @@ class ToolRegistry:
         return self.tools.get(name)
 
     async def execute(
-        self, call: ToolCall, ctx: ToolContext, *, allowed: Collection[str]
+        self, call: ToolCall, *, ctx: ToolContext, allowed: Collection[str]
     ) -> ToolResult:
         """Validate and run one call; every failure becomes an error result (it raises only
         CancelledError, when the run itself is cancelled). A result past `max_result_bytes`
         is kept truncated."""
         limit = self.max_result_bytes
         try:
-            result = await self._execute(call, ctx, allowed)
+            result = await self._execute(call, ctx=ctx, allowed=allowed)
         except ResultTooLarge as exc:
             result = truncated_result(
                 ToolResult(call.id, call.name, ""), limit=limit, head=exc.head
@@ -93,14 +93,14 @@ class ToolRegistry:
         return result
 
     async def _execute(
-        self, call: ToolCall, ctx: ToolContext, allowed: Collection[str]
+        self, call: ToolCall, *, ctx: ToolContext, allowed: Collection[str]
     ) -> ToolResult:
         tool = self.tools.get(call.name) if call.name in allowed else None
         if tool is None:
-            return ToolResult.error(call, f"unknown tool {call.name!r}")
-        problem = self._invalid_arguments(tool, call)
+            return ToolResult.error(call, message=f"unknown tool {call.name!r}")
+        problem = self._invalid_arguments(tool, call=call)
         if problem is not None:
-            return ToolResult.error(call, problem)
+            return ToolResult.error(call, message=problem)
         extra = {"tool_name": call.name, "tool_call_id": call.id, "run_id": ctx.run_id}
         try:
             async with asyncio.timeout(tool.timeout_s) as deadline:
@@ -112,7 +112,7 @@ class ToolRegistry:
         except ToolFailed as exc:
             # The error text can carry a downstream body, which is never logged.
             log.info("tool failed", extra=extra)
-            return ToolResult.error(call, str(exc) or "tool failed")
+            return ToolResult.error(call, message=str(exc) or "tool failed")
         except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.CancelledError) and _cancelled():
                 raise  # the run itself is being cancelled, not a handler failing
@@ -120,7 +120,7 @@ class ToolRegistry:
                 log.warning("tool timed out", extra=extra)
                 return ToolResult.error(
                     call,
-                    f"tool {call.name!r} did not finish within {tool.timeout_s:g}s and was"
+                    message=f"tool {call.name!r} did not finish within {tool.timeout_s:g}s and was"
                     " stopped; it may or may not have taken effect",
                 )
             # A handler bug (even one raising SystemExit or CancelledError of its own) must
@@ -130,16 +130,17 @@ class ToolRegistry:
             log.warning("tool handler raised", exc_info=True, extra=extra)
             message = str(exc)
             name = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-            return ToolResult.error(call, f"{name}; it may or may not have taken effect")
+            return ToolResult.error(call, message=f"{name}; it may or may not have taken effect")
         try:
-            return ToolResult.ok(call, value)
+            return ToolResult.ok(call, value=value)
         except (TypeError, ValueError, RecursionError) as exc:
             log.warning("tool returned a non-JSON value", extra=extra)
             return ToolResult.error(
-                call, f"tool {call.name!r} returned a value that is not JSON-serialisable: {exc}"
+                call,
+                message=f"tool {call.name!r} returned a value that is not JSON-serialisable: {exc}",
             )
 
-    def _invalid_arguments(self, tool: Tool, call: ToolCall) -> str | None:
+    def _invalid_arguments(self, tool: Tool, *, call: ToolCall) -> str | None:
         validator = self._validators[tool.name]
         try:
             error = best_match(validator.iter_errors(call.arguments))
@@ -149,7 +150,7 @@ class ToolRegistry:
         if error is None:
             return None
         where = f" (at {error.json_path})" if error.absolute_path else ""
-        message = _truncate(error.message, MAX_ERROR_CHARS)
+        message = _truncate(error.message, limit=MAX_ERROR_CHARS)
         return f"invalid arguments for tool {tool.name!r}: {message}{where}"
 
     async def aclose(self) -> None:
@@ -170,5 +171,5 @@ def _cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _truncate(text: str, limit: int) -> str:
+def _truncate(text: str, *, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -52,8 +52,8 @@ def test_the_scripted_model_counts_assistant_messages() -> None:
     for _ in range(3):
         response = model(ModelRequest("scripted:bench", None, history, [], 1024))
         answers.append(response)
-        history.append(Message.assistant(response.text, response.tool_calls))
-        history.extend(Message.tool(ToolResult.ok(c, {})) for c in response.tool_calls)
+        history.append(Message.assistant(response.text, tool_calls=response.tool_calls))
+        history.extend(Message.tool(ToolResult.ok(c, value={})) for c in response.tool_calls)
     first, second, last = answers
     assert [(c.name, c.arguments) for c in first.tool_calls] == [
         ("get_issue", {"issue_id": "ISSUE-1"}),

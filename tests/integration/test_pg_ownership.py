@@ -245,11 +245,11 @@ async def test_a_session_taken_again_on_a_connection_that_then_ended_is_not_held
     try:
         async with ownership.hold("s-again"):
             await end_the_lock_connection()
-            assert await ownership.retake("s-again", unchanged_but_lost_again) is False
+            assert await ownership.retake("s-again", unchanged=unchanged_but_lost_again) is False
             with pytest.raises(SessionConflict):
                 await ownership.check("s-again")
             # Taken again once more, with nothing in the way, it is held.
-            assert await ownership.retake("s-again", _unchanged) is True
+            assert await ownership.retake("s-again", unchanged=_unchanged) is True
             await ownership.check("s-again")
     finally:
         await admin.close()
@@ -270,7 +270,7 @@ async def test_a_session_whose_lock_connection_ended_unseen_is_taken_again(
     try:
         async with a_replica_told_of_ends_late(database_url) as owner, owner.hold("s-unseen"):
             assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", owner.lock_pid)
-            assert await owner.retake("s-unseen", _unchanged) is True
+            assert await owner.retake("s-unseen", unchanged=_unchanged) is True
             await owner.check("s-unseen")
     finally:
         await admin.close()
@@ -297,7 +297,7 @@ async def test_the_fence_holds_only_on_the_lock_connection_the_session_was_taken
             assert await fenced("s-fenced") is False
             await ownership.ping()  # a new lock connection, holding no session
             assert await fenced("s-fenced") is False
-            assert await ownership.retake("s-fenced", _unchanged) is True
+            assert await ownership.retake("s-fenced", unchanged=_unchanged) is True
             assert await fenced("s-fenced") is True
             assert await fenced("s-other") is False  # not taken again
         assert await fenced("s-fenced") is False
@@ -357,7 +357,7 @@ async def test_a_turn_that_meets_another_replicas_question_takes_the_session_whe
             await ownership.ping()  # a new lock connection, holding nothing
             question = asyncio.create_task(held_by_a_question_for(0.3, "s-asked"))
             await asyncio.sleep(0.05)
-            assert await ownership.retake("s-asked", _unchanged) is True
+            assert await ownership.retake("s-asked", unchanged=_unchanged) is True
             assert question.done()
             await ownership.check("s-asked")
     finally:

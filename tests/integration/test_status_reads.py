@@ -41,7 +41,7 @@ class Services:
 async def services(database_url: str) -> AsyncIterator[Services]:
     """The run and session services on the example agents, as `serve` builds them."""
     db = await Database.connect(database_url, pool_size=3)
-    ownership = build_ownership(db, Settings(database_url=database_url))
+    ownership = build_ownership(db, settings=Settings(database_url=database_url))
     await ownership.start()
     registry = load_registry(None)
     metrics = Metrics()

@@ -81,7 +81,7 @@ def test_upgrade_downgrade_upgrade_leaves_no_autogenerate_diff(empty_url: str) -
     assert diff == []
     assert revision == head
 
-    downgrade(empty_url, "base")
+    downgrade(empty_url, revision="base")
     tables, diff, revision = inspect_schema(empty_url)
     assert tables == {"alembic_version"}
     assert revision is None
@@ -116,7 +116,7 @@ def _sql(database_url: str, *statements: str) -> list[Any]:
 
 def test_the_message_key_migration_keeps_every_message_both_ways(empty_url: str) -> None:
     before = "9b3f5d1e7a22"  # message still has its surrogate id
-    upgrade(empty_url, before)
+    upgrade(empty_url, revision=before)
     _sql(
         empty_url,
         "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
@@ -129,10 +129,10 @@ def test_the_message_key_migration_keeps_every_message_both_ways(empty_url: str)
     )
     history = "SELECT seq, content FROM message WHERE session_id = 's' ORDER BY seq"
 
-    upgrade(empty_url, "c4a7e2b9d013")
+    upgrade(empty_url, revision="c4a7e2b9d013")
     assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
 
-    downgrade(empty_url, before)
+    downgrade(empty_url, revision=before)
     assert _sql(empty_url, history) == [(1, "m1"), (2, "m2"), (3, "m3")]
     ids = [row[0] for row in _sql(empty_url, "SELECT id FROM message")]
     assert len(set(ids)) == 3 and None not in ids
@@ -140,7 +140,7 @@ def test_the_message_key_migration_keeps_every_message_both_ways(empty_url: str)
 
 def test_the_session_key_migration_keeps_every_message_with_its_session(empty_url: str) -> None:
     before = "c4a7e2b9d013"  # message rows still carry session_id
-    upgrade(empty_url, before)
+    upgrade(empty_url, revision=before)
     _sql(
         empty_url,
         *(
@@ -179,7 +179,7 @@ def test_the_session_key_migration_keeps_every_message_with_its_session(empty_ur
     assert len(set(keys.values())) == 3 and keys["c"] > max(keys["a"], keys["b"])
     _sql(empty_url, "DELETE FROM session WHERE id = 'c'")
 
-    downgrade(empty_url, before)
+    downgrade(empty_url, revision=before)
     assert _sql(empty_url, old_history) == stored
     assert _sql(empty_url, "SELECT id, session_id FROM run") == [("r", "a")]
 
@@ -188,7 +188,7 @@ def test_the_stop_reason_migration_adds_a_null_stop_reason_and_keeps_every_run(
     empty_url: str,
 ) -> None:
     before = "3f6a9c2d8e41"  # run has no stop_reason
-    upgrade(empty_url, before)
+    upgrade(empty_url, revision=before)
     _sql(
         empty_url,
         "INSERT INTO session (id, agent, metadata, message_count, created_at, updated_at)"
@@ -206,7 +206,7 @@ def test_the_stop_reason_migration_adds_a_null_stop_reason_and_keeps_every_run(
     assert _sql(empty_url, "SELECT stop_reason FROM run") == [(None,)]
     _sql(empty_url, "UPDATE run SET stop_reason = 'max_tokens'")
 
-    downgrade(empty_url, before)
+    downgrade(empty_url, revision=before)
     assert _sql(empty_url, runs) == stored
     assert "stop_reason" not in inspect_columns(empty_url, "run")
 

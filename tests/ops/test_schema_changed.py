@@ -33,7 +33,9 @@ def test_a_schema_changed_under_the_server_is_503_schema_out_of_date_until_migra
         assert first.status_code == 200 and first.json()["status"] == "complete", first.text
         run_id = first.json()["run_id"]
 
-        downgrade(database_url, "-1")  # the newest migration undone behind the server's back
+        downgrade(
+            database_url, revision="-1"
+        )  # the newest migration undone behind the server's back
         _assert_schema_out_of_date(client.get("/readyz"))
         _assert_schema_out_of_date(client.get(f"/v1/runs/{run_id}"))
         _assert_schema_out_of_date(client.get("/v1/sessions/before/runs"))

@@ -20,7 +20,7 @@ async def refusal(runs: ActiveRuns, session_id: str) -> SessionBusy:
 async def test_a_session_whose_run_is_stored_is_refused_at_once_naming_it() -> None:
     runs = ActiveRuns()
     await runs.claim("s")
-    runs.confirm("s", "run-1")
+    runs.confirm("s", run_id="run-1")
 
     assert (await asyncio.wait_for(refusal(runs, "s"), 0.5)).extra["active_run_id"] == "run-1"
     await runs.claim("other")  # other sessions are free
@@ -32,7 +32,7 @@ async def test_a_second_request_waits_for_a_pending_claim_and_names_its_run() ->
     waiter = asyncio.create_task(refusal(runs, "s"))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # pending: no run to name yet
-    runs.confirm("s", "run-1")
+    runs.confirm("s", run_id="run-1")
 
     assert (await asyncio.wait_for(waiter, 1)).extra["active_run_id"] == "run-1"
 

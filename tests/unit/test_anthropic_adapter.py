@@ -49,11 +49,11 @@ def tool_history() -> list[Message]:
     again = ToolCall("toolu_c", "get_issue", {"id": "2"})
     return [
         Message.user("triage issue 1"),
-        Message.assistant("Looking.", [issue, slack]),
-        Message.tool(ToolResult.ok(issue, {"title": "broken"})),
-        Message.tool(ToolResult.error(slack, "channel not found")),
-        Message.assistant("", [again]),
-        Message.tool(ToolResult.ok(again, {"title": "ok"})),
+        Message.assistant("Looking.", tool_calls=[issue, slack]),
+        Message.tool(ToolResult.ok(issue, value={"title": "broken"})),
+        Message.tool(ToolResult.error(slack, message="channel not found")),
+        Message.assistant("", tool_calls=[again]),
+        Message.tool(ToolResult.ok(again, value={"title": "ok"})),
     ]
 
 
@@ -101,8 +101,8 @@ async def test_repaired_results_merge_with_the_next_user_text(
     slack = ToolCall("toolu_x", "post_slack", {"channel": "#ops", "urgent": True})
     history = [
         Message.user("post it"),
-        Message.assistant("", [slack]),
-        Message.tool(durability_error("post_slack", "toolu_x")),
+        Message.assistant("", tool_calls=[slack]),
+        Message.tool(durability_error("post_slack", tool_call_id="toolu_x")),
         Message.user("post it"),
     ]
 
@@ -318,7 +318,11 @@ async def test_fake_rejects_tool_use_without_its_result(
     llm: AnthropicLLMClient, fake: FakeAnthropic
 ) -> None:
     orphan = ToolCall("toolu_orphan", "post_slack", {"channel": "#ops", "urgent": True})
-    history = [Message.user("post"), Message.assistant("", [orphan]), Message.user("again")]
+    history = [
+        Message.user("post"),
+        Message.assistant("", tool_calls=[orphan]),
+        Message.user("again"),
+    ]
 
     with pytest.raises(LLMError) as caught:
         await llm.complete(request(history))

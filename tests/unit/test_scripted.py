@@ -55,7 +55,7 @@ async def test_register_script_and_own_usage() -> None:
     def fixed(req: ModelRequest) -> ModelResponse:
         return ModelResponse(text="fixed", usage=Usage(7, 3), stop_reason="end_turn")
 
-    register_script("test-fixed-usage", fixed)
+    register_script("test-fixed-usage", fn=fixed)
     response = await complete([Message.user("x")], model="scripted:test-fixed-usage")
     assert (response.text, response.usage) == ("fixed", Usage(7, 3))
 
@@ -87,12 +87,12 @@ async def run_turn(
         for _ in range(5):
             response = await complete(history)
             responses.append(response)
-            history.append(Message.assistant(response.text, response.tool_calls))
+            history.append(Message.assistant(response.text, tool_calls=response.tool_calls))
             if not response.tool_calls:
                 return responses
             for call in response.tool_calls:
                 ctx = ToolContext("s", "r", call.id)
-                result = await registry.execute(call, ctx, allowed=allowed)
+                result = await registry.execute(call, ctx=ctx, allowed=allowed)
                 history.append(Message.tool(result))
     finally:
         await registry.aclose()
@@ -133,8 +133,8 @@ async def test_support_default_order_and_slow(tmp_path: Path) -> None:
     assert first.tool_calls[0].arguments == {"order_id": "A-1001"}
     history = [
         Message.user("hello, please go slow"),
-        Message.assistant(first.text, first.tool_calls),
-        Message.tool(ToolResult.ok(first.tool_calls[0], fake_order("A-1001"))),
+        Message.assistant(first.text, tool_calls=first.tool_calls),
+        Message.tool(ToolResult.ok(first.tool_calls[0], value=fake_order("A-1001"))),
     ]
     second = await complete(history)
     assert second.tool_calls[0].arguments["delay_s"] == 15
@@ -145,10 +145,10 @@ async def test_support_reports_a_durability_error() -> None:
     lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
     history = [
         Message.user("order A-7 please"),
-        Message.assistant("", [lookup]),
-        Message.tool(ToolResult.ok(lookup, fake_order("A-7"))),
-        Message.assistant("", [call]),
-        Message.tool(durability_error("send_email", "toolu_1")),
+        Message.assistant("", tool_calls=[lookup]),
+        Message.tool(ToolResult.ok(lookup, value=fake_order("A-7"))),
+        Message.assistant("", tool_calls=[call]),
+        Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
     ]
     response = await complete(history)
     assert response.tool_calls == []
@@ -160,8 +160,8 @@ async def test_support_reports_tool_errors() -> None:
     lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
     failed_lookup = [
         Message.user("order A-7"),
-        Message.assistant("", [lookup]),
-        Message.tool(ToolResult.error(lookup, "order service down")),
+        Message.assistant("", tool_calls=[lookup]),
+        Message.tool(ToolResult.error(lookup, message="order service down")),
     ]
     response = await complete(failed_lookup)
     assert response.tool_calls == []
@@ -170,9 +170,9 @@ async def test_support_reports_tool_errors() -> None:
     email = ToolCall("toolu_1", "send_email", {})
     failed_email = [
         *failed_lookup[:2],
-        Message.tool(ToolResult.ok(lookup, fake_order("A-7"))),
-        Message.assistant("", [email]),
-        Message.tool(ToolResult.error(email, "smtp refused")),
+        Message.tool(ToolResult.ok(lookup, value=fake_order("A-7"))),
+        Message.assistant("", tool_calls=[email]),
+        Message.tool(ToolResult.error(email, message="smtp refused")),
     ]
     response = await complete(failed_email)
     assert response.tool_calls == []
@@ -206,10 +206,10 @@ async def test_support_does_not_resend_an_email_a_crash_cut_off_in_a_later_turn(
     lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-1001"})
     history = [
         Message.user("Where is order A-1001?"),
-        Message.assistant("", [lookup]),
-        Message.tool(ToolResult.ok(lookup, fake_order("A-1001"))),
-        Message.assistant("", [call]),
-        Message.tool(durability_error("send_email", "toolu_1")),
+        Message.assistant("", tool_calls=[lookup]),
+        Message.tool(ToolResult.ok(lookup, value=fake_order("A-1001"))),
+        Message.assistant("", tool_calls=[call]),
+        Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
         Message.assistant("I was interrupted while emailing."),
     ]
     outbox = tmp_path / "outbox.jsonl"

@@ -150,7 +150,7 @@ async def registry(server: LocalServer) -> AsyncIterator[ToolRegistry]:
 
 async def run(registry: ToolRegistry, name: str, arguments: dict[str, Any]) -> ToolResult:
     call = ToolCall(SESSION_CTX.tool_call_id, name, arguments)
-    return await registry.execute(call, SESSION_CTX, allowed=registry.tools)
+    return await registry.execute(call, ctx=SESSION_CTX, allowed=registry.tools)
 
 
 def error_of(result: ToolResult) -> str:
@@ -178,7 +178,7 @@ async def test_http_idempotency_key_without_session(
     registry: ToolRegistry, server: LocalServer
 ) -> None:
     call = ToolCall("toolu_xyz", "echo", {})
-    result = await registry.execute(call, STATELESS_CTX, allowed={"echo"})
+    result = await registry.execute(call, ctx=STATELESS_CTX, allowed={"echo"})
     assert not result.is_error
     assert server.seen[-1].headers["idempotency-key"] == "run-9:toolu_xyz"
 
@@ -207,7 +207,7 @@ async def test_http_calls_at_once_do_not_queue_for_a_connection(registry: ToolRe
     # sent). 150 calls of 2 s each, 3.5 s allowed: the queued ones needed 4 s.
     calls = [ToolCall(f"toolu_{i}", "a-while", {}) for i in range(150)]
     results = await asyncio.gather(
-        *(registry.execute(call, SESSION_CTX, allowed=registry.tools) for call in calls)
+        *(registry.execute(call, ctx=SESSION_CTX, allowed=registry.tools) for call in calls)
     )
     assert [json.loads(r.content) for r in results] == [{"done": True}] * 150
 
@@ -419,21 +419,21 @@ async def test_example_tools_through_the_registry(outbox: Path) -> None:
     registry = load_registry(None)
     allowed = registry.agent("support").tools
     lookup = await registry.execute(
-        ToolCall("c1", "lookup_order", {"order_id": "B-7"}), SESSION_CTX, allowed=allowed
+        ToolCall("c1", "lookup_order", {"order_id": "B-7"}), ctx=SESSION_CTX, allowed=allowed
     )
     assert json.loads(lookup.content) == fake_order("B-7")
     too_slow = ToolCall("c2", "send_email", {"to": "a", "subject": "s", "body": "b", "delay_s": 61})
     assert "invalid arguments" in error_of(
-        await registry.execute(too_slow, SESSION_CTX, allowed=allowed)
+        await registry.execute(too_slow, ctx=SESSION_CTX, allowed=allowed)
     )
     assert outbox_lines(outbox) == []
     sent = await registry.execute(
         ToolCall("c3", "send_email", {"to": "a", "subject": "s", "body": "b"}),
-        SESSION_CTX,
+        ctx=SESSION_CTX,
         allowed=allowed,
     )
     assert json.loads(sent.content)["sent"] is True
     assert len(outbox_lines(outbox)) == 1
-    now = await registry.execute(ToolCall("c4", "clock", {}), SESSION_CTX, allowed=allowed)
+    now = await registry.execute(ToolCall("c4", "clock", {}), ctx=SESSION_CTX, allowed=allowed)
     assert "utc" in json.loads(now.content)
     await registry.aclose()

@@ -18,18 +18,21 @@ router = APIRouter(prefix="/v1/agents", tags=["agents"])
 @router.get("", responses=responses(Unauthorized, ValidationFailed))
 async def list_agents(
     registry: RegistryDep,
+    *,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
     after: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Page[AgentRead]:
     """Agents in name order."""
     names = sorted(n for n in registry.agents if after is None or n > after)
     page = names[:limit]
-    data = [AgentRead.of(registry.agents[n], registry.tools_for(registry.agents[n])) for n in page]
-    return Page(data=data, next_after=next_after(names, limit, str))
+    data = [
+        AgentRead.of(registry.agents[n], tools=registry.tools_for(registry.agents[n])) for n in page
+    ]
+    return Page(data=data, next_after=next_after(names, limit=limit, cursor=str))
 
 
 @router.get("/{name}", responses=responses(Unauthorized, AgentNotFound, ValidationFailed))
-async def get_agent(name: str, registry: RegistryDep) -> AgentRead:
+async def get_agent(name: str, *, registry: RegistryDep) -> AgentRead:
     """One agent and its tools."""
     agent = registry.agent(name)
-    return AgentRead.of(agent, registry.tools_for(agent))
+    return AgentRead.of(agent, tools=registry.tools_for(agent))

@@ -101,6 +101,7 @@ RUN_LINKS = {
 )
 async def create_run(
     body: RunCreate,
+    *,
     response: Response,
     services: ServicesDep,
     tenant: TenantDep,
@@ -134,10 +135,7 @@ async def create_run(
     | {200: {"links": RUN_LINKS}},
 )
 async def get_run(
-    run_id: str,
-    runs: RunServiceDep,
-    tenant: TenantDep,
-    user_id: UserId = None,
+    run_id: str, *, runs: RunServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> RunRead:
     """A stored run with the messages of its turn."""
     return await runs.get(run_id, tenant_id=tenant, user_id=user_id)

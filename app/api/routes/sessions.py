@@ -42,6 +42,7 @@ AfterSeq = Annotated[
 @router.get("", responses=responses(Unauthorized, ValidationFailed, DatabaseUnavailable))
 async def list_sessions(
     sessions: SessionServiceDep,
+    *,
     tenant: TenantDep,
     agent: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
     user_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
@@ -56,7 +57,7 @@ async def list_sessions(
 
 @router.get("/{session_id}", responses=SESSION_PROBLEMS)
 async def get_session(
-    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
+    session_id: SessionId, *, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> SessionRead:
     """One session and whether it is idle, running or waiting for a resume."""
     return await sessions.get(session_id, tenant_id=tenant, user_id=user_id)
@@ -65,6 +66,7 @@ async def get_session(
 @router.get("/{session_id}/messages", responses=SESSION_PROBLEMS)
 async def list_messages(
     session_id: SessionId,
+    *,
     sessions: SessionServiceDep,
     tenant: TenantDep,
     user_id: UserId = None,
@@ -80,6 +82,7 @@ async def list_messages(
 @router.get("/{session_id}/runs", responses=SESSION_PROBLEMS)
 async def list_session_runs(
     session_id: SessionId,
+    *,
     sessions: SessionServiceDep,
     tenant: TenantDep,
     user_id: UserId = None,
@@ -106,7 +109,7 @@ async def list_session_runs(
     ),
 )
 async def delete_session(
-    session_id: SessionId, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
+    session_id: SessionId, *, sessions: SessionServiceDep, tenant: TenantDep, user_id: UserId = None
 ) -> None:
     """Delete the session, its runs and messages."""
     await sessions.delete(session_id, tenant_id=tenant, user_id=user_id)

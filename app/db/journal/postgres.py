@@ -109,25 +109,33 @@ class PostgresJournalStore:
         # What tells whether a write whose connection died had committed (`_resend_after`).
         self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {STORED_COLUMNS}")
 
-    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+    async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         params = {"session_id": session_id, "run_id": run_id}
         try:
-            row = await self._read(self._stored, params, patient=True)
+            row = await self._read(self._stored, params=params, patient=True)
         except _ConnectionLost as lost:
             raise unavailable(lost.error) from lost.error
         return row["count"], row["status"]
 
-    async def _read(self, statement: _Statement, params: dict[str, Any], *, patient: bool) -> Any:
+    async def _read(self, statement: _Statement, *, params: dict[str, Any], patient: bool) -> Any:
         """The statement's one row; read once more on a new connection if its connection
         ended under it (as the write's own often has a moment before: the server or a proxy
         ending several at once). A read may run twice."""
         try:
             return await self._fetch(
-                statement.sql, statement.args(params), None, patient=patient, row=True
+                statement.sql,
+                args=statement.args(params),
+                before_commit=None,
+                patient=patient,
+                row=True,
             )
         except _ConnectionLost:
             return await self._fetch(
-                statement.sql, statement.args(params), None, patient=patient, row=True
+                statement.sql,
+                args=statement.args(params),
+                before_commit=None,
+                patient=patient,
+                row=True,
             )
 
     async def write(self, write: JournalWrite) -> None:
@@ -148,19 +156,19 @@ class PostgresJournalStore:
         try:
             try:
                 claimed = await self._fetch(
-                    statement.sql, args, write.before_commit, patient=patient
+                    statement.sql, args=args, before_commit=write.before_commit, patient=patient
                 )
             except _ConnectionLost as lost:
-                if not await self._resend_after(lost, write, patient=patient):
+                if not await self._resend_after(lost, write=write, patient=patient):
                     return  # it had committed
-                claimed = await self.fetchval(statement.sql, args, patient=patient)
+                claimed = await self.fetchval(statement.sql, args=args, patient=patient)
         except asyncpg.UniqueViolationError as exc:  # another writer stored these keys first
             raise SessionConflict(write.session_id) from exc
         if claimed != 1:
             raise SessionConflict(write.session_id)
 
     async def _resend_after(
-        self, lost: _ConnectionLost, write: JournalWrite, *, patient: bool
+        self, lost: _ConnectionLost, *, write: JournalWrite, patient: bool
     ) -> bool:
         """The connection died under the write (a server or proxy ending it, even while it
         sat idle in the pool): did the write commit? While this runner still holds the
@@ -170,7 +178,7 @@ class PostgresJournalStore:
         tell; a database that cannot be asked is a 503, the write's outcome unknown."""
         params = {"session_id": write.session_id, "run_id": write.run_id, **write.fence}
         try:
-            state = await self._read(self._state, params, patient=patient)
+            state = await self._read(self._state, params=params, patient=patient)
         except (_ConnectionLost, DatabaseUnavailable):
             raise unavailable(lost.error) from lost.error
         if state is None:
@@ -192,24 +200,24 @@ class PostgresJournalStore:
     async def fetchval(
         self,
         sql: str,
+        *,
         args: Sequence[Any],
         before_commit: Callable[[], None] | None = None,
-        *,
         patient: bool = False,
     ) -> Any:
         """One statement in its own transaction on a pooled connection's driver: one round
         trip (two more, BEGIN and COMMIT, only when `before_commit` must run in between)."""
         try:
-            return await self._fetch(sql, args, before_commit, patient=patient)
+            return await self._fetch(sql, args=args, before_commit=before_commit, patient=patient)
         except _ConnectionLost as lost:
             raise unavailable(lost.error) from lost.error
 
     async def _fetch(
         self,
         sql: str,
+        *,
         args: Sequence[Any],
         before_commit: Callable[[], None] | None,
-        *,
         patient: bool,
         row: bool = False,
     ) -> Any:
@@ -281,7 +289,11 @@ class PostgresJournalStore:
 
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(
-            self.fence_sql, self.row_fence_sql, create=shape.create, touch=shape.touch, types=True
+            self.fence_sql,
+            row_fence_sql=self.row_fence_sql,
+            create=shape.create,
+            touch=shape.touch,
+            types=True,
         )
         ctes = [f"claim AS ({claim} RETURNING key)"]
         if shape.messages:
@@ -298,7 +310,7 @@ class PostgresJournalStore:
             ctes.append(f"new_run AS (INSERT INTO run ({columns}) SELECT {values} FROM claim)")
         claimed = "EXISTS (SELECT 1 FROM claim)"
         if shape.run_columns:
-            update = run_update_sql(shape.run_columns, f"id = :run_id AND {claimed}")
+            update = run_update_sql(shape.run_columns, where=f"id = :run_id AND {claimed}")
             ctes.append(f"run_update AS ({update})")
         if shape.interrupted:
             update = interrupted_sql(f"id = ANY(CAST(:interrupted AS text[])) AND {claimed}")
@@ -317,18 +329,20 @@ class PostgresJournalStore:
             **write.fence,
         }
         if write.new_session is not None:
-            params.update({f"s_{c}": _value(c, write.new_session[c]) for c in SESSION_COLUMNS})
+            params.update(
+                {f"s_{c}": _value(c, value=write.new_session[c]) for c in SESSION_COLUMNS}
+            )
         if write.new_run is not None:
-            params.update({f"r_{c}": _value(c, write.new_run[c]) for c in RUN_COLUMNS})
+            params.update({f"r_{c}": _value(c, value=write.new_run[c]) for c in RUN_COLUMNS})
         for column, value in (write.run_values or {}).items():
-            params[f"u_{column}"] = _value(column, value)
+            params[f"u_{column}"] = _value(column, value=value)
         if write.messages:
             rows = [message_to_row(m, now=write.now) for m in write.messages]
             params["messages"] = json.dumps([{c: row[c] for c in MESSAGE_COLUMNS} for row in rows])
         return params
 
 
-def _value(column: str, value: Any) -> Any:
+def _value(column: str, *, value: Any) -> Any:
     if column in JSON_COLUMNS and value is not None:
         return json.dumps(value)
     return value

@@ -15,7 +15,7 @@ from app.domain import RunStatus
 _PG = postgresql.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it untyped
 
 
-def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:
+def _typed(model: type[Base], *, names: Iterable[str]) -> dict[str, str]:
     """Columns of the model and the PostgreSQL types their parameters are cast to (an INSERT
     … SELECT must spell them out). Strings go as text: the column's own length limit then
     refuses a value too long, where a cast to varchar(n) would cut it."""
@@ -28,11 +28,11 @@ def _typed(model: type[Base], names: Iterable[str]) -> dict[str, str]:
 
 # The columns each write inserts (a session's `key` is the database's to number).
 SESSION_COLUMNS = _typed(
-    models.Session, (c.name for c in models.Session.__table__.columns if c.name != "key")
+    models.Session, names=(c.name for c in models.Session.__table__.columns if c.name != "key")
 )
 RUN_COLUMNS = _typed(
     models.Run,
-    (
+    names=(
         "id",
         "session_id",
         "agent",
@@ -49,7 +49,7 @@ RUN_COLUMNS = _typed(
 )
 MESSAGE_COLUMNS = _typed(
     models.Message,
-    (
+    names=(
         c.name
         for c in models.Message.__table__.columns
         if c.name not in ("session_key", "created_at")
@@ -71,7 +71,7 @@ STORED_COLUMNS = (
 )
 
 
-def claim_sql(fence_sql: str, row_fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
+def claim_sql(fence_sql: str, *, row_fence_sql: str, create: bool, touch: bool, types: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
     from `:expected` to `:new_count` — only while the fence holds (on the row: see
     `Ownership.row_fence_sql`). `types` casts the parameters of a created session to their
@@ -89,7 +89,7 @@ def claim_sql(fence_sql: str, row_fence_sql: str, *, create: bool, touch: bool, 
     )
 
 
-def run_update_sql(columns: Iterable[str], where: str) -> str:
+def run_update_sql(columns: Iterable[str], *, where: str) -> str:
     """Set these run columns from `:u_<column>` parameters."""
     return f"UPDATE run SET {', '.join(f'{c} = :u_{c}' for c in columns)} WHERE {where}"
 

@@ -44,12 +44,12 @@ class SqliteJournalStore:
     )
     INTERRUPTED = interrupted_sql("id = :id")
 
-    def __init__(self, writes: InlineTransactor, fence_sql: str, row_fence_sql: str) -> None:
+    def __init__(self, writes: InlineTransactor, *, fence_sql: str, row_fence_sql: str) -> None:
         self._writes = writes
         self.observers: list[Callable[[int], None]] = []
         self._claims = {
             (create, touch): claim_sql(
-                fence_sql, row_fence_sql, create=create, touch=touch, types=False
+                fence_sql, row_fence_sql=row_fence_sql, create=create, touch=touch, types=False
             )
             for create in (False, True)
             for touch in (False, True)
@@ -68,7 +68,7 @@ class SqliteJournalStore:
 
     async def write(self, write: JournalWrite) -> None:
         try:
-            statements = await self._writes.transact_driver(lambda d: self._body(d, write))
+            statements = await self._writes.transact_driver(lambda d: self._body(d, write=write))
         except sqlite3.IntegrityError as exc:
             if exc.sqlite_errorname in _SQLITE_ANOTHER_WRITER:  # it got these seqs first
                 raise SessionConflict(write.session_id) from exc
@@ -80,7 +80,7 @@ class SqliteJournalStore:
         for observer in self.observers:
             observer(statements)
 
-    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+    async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         def read(driver: sqlite3.Connection) -> tuple[int | None, str | None]:
             params = {"session_id": session_id, "run_id": run_id}
             count, status = driver.execute(f"SELECT {STORED_COLUMNS}", params).fetchone()
@@ -88,13 +88,13 @@ class SqliteJournalStore:
 
         return await self._writes.transact_driver(read)
 
-    def _body(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
-        statements = self._statements(driver, write)
+    def _body(self, driver: sqlite3.Connection, *, write: JournalWrite) -> int:
+        statements = self._statements(driver, write=write)
         if write.before_commit is not None:
             write.before_commit()
         return statements
 
-    def _statements(self, driver: sqlite3.Connection, write: JournalWrite) -> int:
+    def _statements(self, driver: sqlite3.Connection, *, write: JournalWrite) -> int:
         """Run the write's statements; how many it took."""
         now = self._timestamp(write.now)
         claim = {
@@ -105,7 +105,7 @@ class SqliteJournalStore:
             **write.fence,
         }
         if write.new_session is not None:
-            claim.update(self._values("session", "s_", write.new_session))
+            claim.update(self._values("session", prefix="s_", values=write.new_session))
         sql = self._claims[(write.new_session is not None, write.touch)]
         if driver.execute(sql, claim).rowcount != 1:
             raise SessionConflict(write.session_id)
@@ -114,20 +114,20 @@ class SqliteJournalStore:
             rows = [
                 {
                     "session_id": write.session_id,
-                    **self._values("message", "", message_to_row(m, now=write.now)),
+                    **self._values("message", prefix="", values=message_to_row(m, now=write.now)),
                 }
                 for m in write.messages
             ]
             driver.executemany(self.INSERT_MESSAGE, rows)
             statements += 1
         if write.new_run is not None:
-            driver.execute(self.INSERT_RUN, self._values("run", "r_", write.new_run))
+            driver.execute(self.INSERT_RUN, self._values("run", prefix="r_", values=write.new_run))
             statements += 1
         if write.run_values is not None:
             columns = tuple(write.run_values)
             if columns not in self._run_updates:
-                self._run_updates[columns] = run_update_sql(columns, "id = :run_id")
-            values = self._values("run", "u_", write.run_values)
+                self._run_updates[columns] = run_update_sql(columns, where="id = :run_id")
+            values = self._values("run", prefix="u_", values=write.run_values)
             driver.execute(self._run_updates[columns], {**values, "run_id": write.run_id})
             statements += 1
         if write.interrupted:
@@ -135,7 +135,7 @@ class SqliteJournalStore:
             statements += 1
         return statements
 
-    def _values(self, table: str, prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    def _values(self, table: str, *, prefix: str, values: dict[str, Any]) -> dict[str, Any]:
         """Parameters named `<prefix><column>`, as the column's bind processor stores them."""
         bind = self._bind[table]
         return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}

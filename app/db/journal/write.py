@@ -59,6 +59,6 @@ class JournalStore(Protocol):
         WriteOutcomeUnknown, not knowing which)."""
         ...
 
-    async def stored(self, session_id: str, run_id: str) -> tuple[int | None, str | None]:
+    async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         """The session's message count and the run's status as stored (None: no such row)."""
         ...

@@ -8,6 +8,7 @@ from typing import Any
 from app.tools.base import ToolContext
 
 
-async def clock(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, str]:
+# Positional: the tool handler interface (README).
+async def clock(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, str]:  # noqa: PLR0917
     """Return the current UTC time as an ISO 8601 timestamp."""
     return {"utc": datetime.now(UTC).isoformat()}

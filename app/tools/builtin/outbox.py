@@ -16,7 +16,8 @@ MAX_DELAY_S = 60.0
 DEFAULT_OUTBOX = "demo-outbox.jsonl"
 
 
-async def send_email(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+# Positional: the tool handler interface (README).
+async def send_email(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:  # noqa: PLR0917
     """Send an email (demo: append it to the outbox file); not safe to retry."""
     to, subject = arguments.get("to"), arguments.get("subject")
     if not isinstance(to, str) or not isinstance(subject, str):
@@ -33,7 +34,7 @@ async def send_email(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, A
         "to": to,
         "subject": subject,
     }
-    await asyncio.to_thread(_append_line, _outbox_path(), json.dumps(record))
+    await asyncio.to_thread(_append_line, _outbox_path(), line=json.dumps(record))
     digest = hashlib.sha256(ctx.idempotency_key.encode()).hexdigest()[:16]
     return {"sent": True, "message_id": f"msg_{digest}"}
 
@@ -44,7 +45,7 @@ def _outbox_path() -> Path:
     return Path(os.environ.get("DEMO_OUTBOX", DEFAULT_OUTBOX))
 
 
-def _append_line(path: Path, line: str) -> None:
+def _append_line(path: Path, *, line: str) -> None:
     # Append mode, one line per call: the outbox is a log of every send, never rewritten.
     with path.open("a", encoding="utf-8") as outbox:
         outbox.write(line + "\n")

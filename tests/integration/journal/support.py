@@ -39,8 +39,10 @@ def journal_on(
     """A DurableJournal on `db`, fenced by `ownership` (LocalOwnership unless given: see
     above), reaching `failpoints` (none unless given)."""
     ownership = ownership or LocalOwnership()
-    store = journal_store(db, ownership.fence_sql, ownership.row_fence_sql)
-    return DurableJournal(store, failpoints or Failpoints.parse(None), ownership, metrics)
+    store = journal_store(db, fence_sql=ownership.fence_sql, row_fence_sql=ownership.row_fence_sql)
+    return DurableJournal(
+        store, failpoints=failpoints or Failpoints.parse(None), ownership=ownership, metrics=metrics
+    )
 
 
 def new_turn(text: str, *, stored_count: int = 0, session_id: str = SESSION) -> Turn:
@@ -71,9 +73,9 @@ async def start(
     """A new turn, started as the run service starts it: record_start before any other write,
     then the repairs."""
     turn = new_turn(text, stored_count=stored_count, session_id=session_id)
-    await journal.record_start(turn, interrupted)
+    await journal.record_start(turn, interrupted=interrupted)
     if repairs:
-        await journal.record_repairs(turn, repairs)
+        await journal.record_repairs(turn, repairs=repairs)
     return turn
 
 
@@ -83,7 +85,7 @@ async def overtaken_after_write_1(journal: DurableJournal) -> tuple[Turn, Turn]:
     ended complete. Returns (first, later)."""
     first = await start(journal, "buy it")
     first.iterations = 1
-    await journal.record_step(first, Message.assistant("on it", CALLS))
+    await journal.record_step(first, assistant=Message.assistant("on it", tool_calls=CALLS))
     later = await start(
         journal,
         "other",
@@ -91,19 +93,21 @@ async def overtaken_after_write_1(journal: DurableJournal) -> tuple[Turn, Turn]:
         repairs=repairs_for(first.run_id),
         interrupted=[first.run_id],
     )
-    await journal.record_end(later, Message.assistant("fine"), RunEnd(RunStatus.COMPLETE, "fine"))
+    await journal.record_end(
+        later, final=Message.assistant("fine"), end=RunEnd(RunStatus.COMPLETE, "fine")
+    )
     return first, later
 
 
 def results_for(*calls: ToolCall) -> list[Message]:
-    return [Message.tool(ToolResult.ok(c, {"done": c.id})) for c in calls]
+    return [Message.tool(ToolResult.ok(c, value={"done": c.id})) for c in calls]
 
 
 def repairs_for(run_id: str) -> list[Message]:
     """What AgentRunner.repair stores for CALLS: lookup run again, charge a durability error."""
     repairs = [
-        Message.tool(ToolResult.ok(CALLS[0], {"id": "A-1"})),
-        Message.tool(durability_error("charge", "toolu_b")),
+        Message.tool(ToolResult.ok(CALLS[0], value={"id": "A-1"})),
+        Message.tool(durability_error("charge", tool_call_id="toolu_b")),
     ]
     for message in repairs:
         message.run_id = run_id

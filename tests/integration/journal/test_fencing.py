@@ -81,7 +81,9 @@ async def test_a_write_is_fenced_by_this_runners_lock_not_by_anyones(
             await lose_a()
             async with b.hold(SESSION):
                 with pytest.raises(SessionConflict):
-                    await journal.record_step(turn, Message.assistant("on it", CALLS))
+                    await journal.record_step(
+                        turn, assistant=Message.assistant("on it", tool_calls=CALLS)
+                    )
     stored = await read(db, turn.run_id)
     assert stored.history == []
     assert stored.session is not None and stored.session.message_count == 0
@@ -140,7 +142,9 @@ async def test_a_statement_that_waited_for_the_sessions_row_is_fenced_again_afte
                 sent: Coroutine[Any, Any, object] = (
                     db.writes.transact(fenced_delete(a))
                     if statement == "delete"
-                    else journal.record_step(turn, Message.assistant("on it", CALLS))
+                    else journal.record_step(
+                        turn, assistant=Message.assistant("on it", tool_calls=CALLS)
+                    )
                 )
                 waiting = asyncio.create_task(sent)
                 await waiting_for_a_row(database_url)
@@ -165,7 +169,9 @@ async def test_a_delete_is_fenced_by_this_runners_lock(
             await lose_a()
             async with b.hold(SESSION):
                 turn = await start(journal, "buy it")
-                await journal.record_step(turn, Message.assistant("on it", CALLS))
+                await journal.record_step(
+                    turn, assistant=Message.assistant("on it", tool_calls=CALLS)
+                )
                 with pytest.raises(SessionConflict):
                     await db.writes.transact(fenced_delete(a))
         stored = await read(db, turn.run_id)
@@ -191,7 +197,7 @@ async def test_a_runner_whose_lock_connection_ended_takes_the_session_again_if_n
             await lose_a()
             if first == "a dispatch's check":
                 await journal.check_owned(turn)
-            await journal.record_step(turn, Message.assistant("on it", CALLS))
+            await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
             await journal.check_owned(turn)
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]
@@ -213,11 +219,13 @@ async def test_a_runner_whose_lock_connection_ended_does_not_go_on_after_another
             async with b.hold(SESSION):
                 later = new_turn("other")
                 later.session_exists = True
-                await journal_b.record_start(later, [turn.run_id])
+                await journal_b.record_start(later, interrupted=[turn.run_id])
             with pytest.raises(SessionConflict):
                 await journal_a.check_owned(turn)
             with pytest.raises(SessionConflict):
-                await journal_a.record_step(turn, Message.assistant("on it", CALLS))
+                await journal_a.record_step(
+                    turn, assistant=Message.assistant("on it", tool_calls=CALLS)
+                )
     stored = await read(db, turn.run_id)
     assert stored.history == []
     assert stored.runs[turn.run_id].status == "interrupted"

@@ -89,14 +89,14 @@ async def test_a_write_whose_connection_ended_is_stored_once(
 ) -> None:
     turn = await start(journal, "buy it")
     with next_statement_loses_its_connection(runs=runs) as ended:
-        await journal.record_step(turn, Message.assistant("on it", CALLS))
+        await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
     assert len(ended) == 1
 
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == STEP
     assert stored.session is not None and stored.session.message_count == 2
     # The turn goes on: its next write finds the count it expects.
-    await journal.record_results(turn, results_for(*CALLS))
+    await journal.record_results(turn, results=results_for(*CALLS))
     assert len((await read(db, turn.run_id)).history) == 4
 
 
@@ -108,7 +108,7 @@ async def test_a_write_whose_connection_ended_is_told_though_the_first_look_lost
     # the write committed lost its connection too, and the write answered 503.
     turn = await start(journal, "buy it")
     with next_statement_loses_its_connection(runs=runs, reads_too=1) as ended:
-        await journal.record_step(turn, Message.assistant("on it", CALLS))
+        await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
     assert len(ended) == 2
     assert shape((await read(db, turn.run_id)).history) == STEP
 
@@ -122,7 +122,7 @@ async def test_a_started_turn_whose_start_record_was_committed_is_not_started_tw
         turn = await start(journal, "buy it")
     stored = await read(db, turn.run_id)
     assert turn.run_id in stored.runs
-    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
     assert shape((await read(db, turn.run_id)).history) == STEP
 
 
@@ -162,10 +162,10 @@ async def test_with_the_hold_lost_too_the_session_is_taken_again_and_the_write_s
         with next_statement_loses_its_connection(
             runs=runs, before=_lose_the_lock(runner, database_url)
         ):
-            await journal.record_step(turn, Message.assistant("on it", CALLS))
+            await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
         assert shape((await read(db, turn.run_id)).history) == STEP
         await runner.check(SESSION)  # held again
-        await journal.record_results(turn, results_for(*CALLS))
+        await journal.record_results(turn, results=results_for(*CALLS))
     assert len((await read(db, turn.run_id)).history) == 4
 
 
@@ -191,5 +191,7 @@ async def test_with_the_session_taken_by_another_runner_meanwhile_the_outcome_is
                 next_statement_loses_its_connection(runs=False, before=lose_the_session),
                 pytest.raises(DatabaseUnavailable),
             ):
-                await journal.record_step(turn, Message.assistant("on it", CALLS))
+                await journal.record_step(
+                    turn, assistant=Message.assistant("on it", tool_calls=CALLS)
+                )
     assert (await read(db, turn.run_id)).history == []

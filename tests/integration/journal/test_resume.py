@@ -23,12 +23,12 @@ async def test_repairs_go_after_their_assistant_and_dead_runs_are_marked_interru
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     crashed = await start(journal, "buy it")
-    await journal.record_step(crashed, Message.assistant("on it", CALLS))
+    await journal.record_step(crashed, assistant=Message.assistant("on it", tool_calls=CALLS))
     # The runner died here. The next run repairs both orphans under the crashed run's id.
     resumed = new_turn("again", stored_count=2)
     repairs = repairs_for(crashed.run_id)
-    await journal.record_start(resumed, [crashed.run_id])
-    await journal.record_repairs(resumed, repairs)
+    await journal.record_start(resumed, interrupted=[crashed.run_id])
+    await journal.record_repairs(resumed, repairs=repairs)
 
     stored = await read(db, crashed.run_id, resumed.run_id)
     assert shape(stored.history) == [
@@ -59,7 +59,9 @@ async def test_repairs_go_after_their_assistant_and_dead_runs_are_marked_interru
     assert (resumed.stored_count, resumed.run_stored, resumed.user_stored) == (4, True, False)
     assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1}
 
-    await journal.record_end(resumed, Message.assistant("ok"), RunEnd(RunStatus.COMPLETE, "ok"))
+    await journal.record_end(
+        resumed, final=Message.assistant("ok"), end=RunEnd(RunStatus.COMPLETE, "ok")
+    )
     final = await read(db, resumed.run_id)
     assert [(m.seq, m.content) for m in final.history[4:]] == [(5, "again"), (6, "ok")]
     assert final.runs[resumed.run_id].status == RunStatus.COMPLETE
@@ -69,8 +71,8 @@ async def test_the_start_with_only_unfinished_runs_marks_them_interrupted(
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     crashed = await start(journal, "one")
-    await journal.record_step(crashed, Message.assistant("", CALLS))
-    await journal.record_results(crashed, results_for(*CALLS))
+    await journal.record_step(crashed, assistant=Message.assistant("", tool_calls=CALLS))
+    await journal.record_results(crashed, results=results_for(*CALLS))
     resumed = await start(journal, "two", stored_count=4, interrupted=[crashed.run_id])
 
     stored = await read(db, crashed.run_id, resumed.run_id)
@@ -88,7 +90,9 @@ async def test_a_start_with_nothing_to_repair_writes_only_the_session_and_the_ru
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     earlier = await start(journal, "one")
-    await journal.record_end(earlier, Message.assistant("hi"), RunEnd(RunStatus.COMPLETE, "hi"))
+    await journal.record_end(
+        earlier, final=Message.assistant("hi"), end=RunEnd(RunStatus.COMPLETE, "hi")
+    )
     fresh = await start(journal, "two", session_id="never-written")
 
     stored = await read(db, fresh.run_id, session_id="never-written")
@@ -118,7 +122,7 @@ async def interrupted_then_continued(db: Database, journal: DurableJournal) -> t
     continued.run_stored = True
     continued.user_stored = True
     continued.iterations = 1
-    await journal.record_start(continued, [])
+    await journal.record_start(continued, interrupted=[])
     return crashed, continued
 
 
@@ -136,7 +140,7 @@ async def test_a_continued_turn_sets_its_run_back_to_running_and_stores_no_secon
     continued.iterations = 2
     continued.finished_at = continued.created_at
     await journal.record_end(
-        continued, Message.assistant("bought"), RunEnd(RunStatus.COMPLETE, "bought")
+        continued, final=Message.assistant("bought"), end=RunEnd(RunStatus.COMPLETE, "bought")
     )
     stored = await read(db, crashed.run_id)
     assert [(m.seq, m.role, m.content, m.run_id) for m in stored.history[6:]] == [

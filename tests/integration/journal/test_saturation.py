@@ -63,7 +63,7 @@ async def test_a_started_turns_write_waits_for_a_connection_the_server_has_none_
 
     releasing = asyncio.create_task(release_soon())
     # Write #1 needs a second connection: "too many connections" until the first is back.
-    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
     await releasing
     stored = await read(one_connection_db)
     assert [m.role for m in stored.history] == [Role.USER, Role.ASSISTANT]

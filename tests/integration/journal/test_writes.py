@@ -37,7 +37,7 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
     turn = new_turn("buy it")
     turn.idempotency_key = "key-1"
     turn.fingerprint = "f" * 64
-    await journal.record_start(turn, [])
+    await journal.record_start(turn, interrupted=[])
 
     stored = await read(db, turn.run_id)
     assert stored.session is not None
@@ -70,22 +70,24 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
 async def test_the_store_reports_the_stored_count_and_run_status(db: Database) -> None:
     # What a re-take compares with the turn's own account (Turn.stored_state).
     ownership = LocalOwnership()
-    store = journal_store(db, ownership.fence_sql, ownership.row_fence_sql)
-    journal = DurableJournal(store, Failpoints.parse(None), ownership, Metrics())
-    assert await store.stored(SESSION, "no-such-run") == (None, None)
+    store = journal_store(db, fence_sql=ownership.fence_sql, row_fence_sql=ownership.row_fence_sql)
+    journal = DurableJournal(
+        store, failpoints=Failpoints.parse(None), ownership=ownership, metrics=Metrics()
+    )
+    assert await store.stored(SESSION, run_id="no-such-run") == (None, None)
     turn = await start(journal, "buy it")
-    await journal.record_step(turn, Message.assistant("on it", CALLS))
-    assert await store.stored(SESSION, turn.run_id) == (2, RunStatus.RUNNING.value)
-    assert await store.stored(SESSION, turn.run_id) == turn.stored_state()
-    assert await store.stored(SESSION, "no-such-run") == (2, None)
+    await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
+    assert await store.stored(SESSION, run_id=turn.run_id) == (2, RunStatus.RUNNING.value)
+    assert await store.stored(SESSION, run_id=turn.run_id) == turn.stored_state()
+    assert await store.stored(SESSION, run_id="no-such-run") == (2, None)
 
 
 async def test_the_first_step_writes_user_and_assistant_together(
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     turn = await start(journal, "buy it")
-    assistant = Message.assistant("on it", CALLS)
-    await journal.record_step(turn, assistant)
+    assistant = Message.assistant("on it", tool_calls=CALLS)
+    await journal.record_step(turn, assistant=assistant)
 
     stored = await read(db, turn.run_id)
     assert stored.session is not None
@@ -118,10 +120,10 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     turn = await start(journal, "buy it")
-    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
     turn.iterations = 1
     turn.usage.add(Usage(input_tokens=100, output_tokens=20))
-    await journal.record_results(turn, results_for(*CALLS))
+    await journal.record_results(turn, results=results_for(*CALLS))
 
     after_results = await read(db, turn.run_id)
     assert shape(after_results.history) == [
@@ -142,7 +144,7 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     turn.stop_reason = "max_tokens"
     turn.finished_at = turn.created_at
     final = Message.assistant("bought")
-    await journal.record_end(turn, final, RunEnd(RunStatus.COMPLETE, "bought"))
+    await journal.record_end(turn, final=final, end=RunEnd(RunStatus.COMPLETE, "bought"))
 
     stored = await read(db, turn.run_id)
     assert stored.session is not None
@@ -164,14 +166,16 @@ async def test_a_second_turn_continues_the_seqs(
     db: Database, journal: DurableJournal, metrics: Metrics
 ) -> None:
     first = await start(journal, "one")
-    await journal.record_step(first, Message.assistant("", CALLS))
-    await journal.record_results(first, results_for(*CALLS))
-    await journal.record_end(first, Message.assistant("first"), RunEnd(RunStatus.COMPLETE, "first"))
+    await journal.record_step(first, assistant=Message.assistant("", tool_calls=CALLS))
+    await journal.record_results(first, results=results_for(*CALLS))
+    await journal.record_end(
+        first, final=Message.assistant("first"), end=RunEnd(RunStatus.COMPLETE, "first")
+    )
     assert first.stored_count == 5
 
     second = await start(journal, "two", stored_count=first.stored_count)
     await journal.record_end(
-        second, Message.assistant("second"), RunEnd(RunStatus.COMPLETE, "second")
+        second, final=Message.assistant("second"), end=RunEnd(RunStatus.COMPLETE, "second")
     )
 
     stored = await read(db, first.run_id, second.run_id)
@@ -190,23 +194,27 @@ async def test_a_stale_turn_conflicts_and_writes_nothing(
     db: Database, journal: DurableJournal
 ) -> None:
     first = await start(journal, "one")
-    await journal.record_step(first, Message.assistant("", CALLS[:1]))
+    await journal.record_step(first, assistant=Message.assistant("", tool_calls=CALLS[:1]))
     # Two writers read the session at the same count; the first one wins.
     winner = await start(journal, "two", stored_count=2)
-    await journal.record_end(winner, Message.assistant("won"), RunEnd(RunStatus.COMPLETE, "won"))
+    await journal.record_end(
+        winner, final=Message.assistant("won"), end=RunEnd(RunStatus.COMPLETE, "won")
+    )
     loser = new_turn("three", stored_count=2)
     before = await read(db, first.run_id, winner.run_id)
 
     with pytest.raises(SessionConflict):
-        await journal.record_start(loser, [first.run_id])
+        await journal.record_start(loser, interrupted=[first.run_id])
     repairs = results_for(CALLS[0])
     repairs[0].run_id = first.run_id
     with pytest.raises(SessionConflict):
-        await journal.record_repairs(loser, repairs)
+        await journal.record_repairs(loser, repairs=repairs)
     with pytest.raises(SessionConflict):
-        await journal.record_step(loser, Message.assistant("", CALLS[1:]))
+        await journal.record_step(loser, assistant=Message.assistant("", tool_calls=CALLS[1:]))
     with pytest.raises(SessionConflict):
-        await journal.record_end(loser, Message.assistant("lost"), RunEnd(RunStatus.COMPLETE, ""))
+        await journal.record_end(
+            loser, final=Message.assistant("lost"), end=RunEnd(RunStatus.COMPLETE, "")
+        )
 
     after = await read(db, first.run_id, winner.run_id, loser.run_id)
     assert after.session is not None
@@ -228,9 +236,11 @@ async def test_a_runner_taken_over_after_its_start_fails_every_later_write(
 
     # The stalled runner wakes up with its handlers' results.
     with pytest.raises(SessionConflict):
-        await journal.record_results(stalled, results_for(*CALLS))
+        await journal.record_results(stalled, results=results_for(*CALLS))
     with pytest.raises(SessionConflict):
-        await journal.record_end(stalled, Message.assistant("x"), RunEnd(RunStatus.COMPLETE, "x"))
+        await journal.record_end(
+            stalled, final=Message.assistant("x"), end=RunEnd(RunStatus.COMPLETE, "x")
+        )
 
     after = await read(db, stalled.run_id, taker.run_id)
     assert after.session is not None
@@ -247,15 +257,17 @@ async def test_two_turns_creating_the_same_session_conflict(
     # Both read the session before either created it.
     winner = new_turn("one")
     loser = new_turn("two")
-    await journal.record_start(winner, [])
+    await journal.record_start(winner, interrupted=[])
 
     with pytest.raises(SessionConflict):
-        await journal.record_start(loser, [])
+        await journal.record_start(loser, interrupted=[])
     with pytest.raises(SessionConflict):
-        await journal.record_step(loser, Message.assistant("", CALLS))
+        await journal.record_step(loser, assistant=Message.assistant("", tool_calls=CALLS))
     with pytest.raises(SessionConflict):
-        await journal.record_end(loser, Message.assistant("lost"), RunEnd(RunStatus.COMPLETE, ""))
-    await journal.record_step(winner, Message.assistant("", CALLS))
+        await journal.record_end(
+            loser, final=Message.assistant("lost"), end=RunEnd(RunStatus.COMPLETE, "")
+        )
+    await journal.record_step(winner, assistant=Message.assistant("", tool_calls=CALLS))
 
     stored = await read(db, winner.run_id, loser.run_id)
     assert [m.content for m in stored.history] == ["one", ""]
@@ -280,7 +292,7 @@ async def test_a_write_the_schema_refuses_is_an_error_not_a_conflict(
     turn = new_turn("hello")
     turn.agent = None  # type: ignore[assignment]  # run.agent is NOT NULL
     with pytest.raises((sqlite3.IntegrityError, asyncpg.NotNullViolationError)):
-        await journal.record_start(turn, [])
+        await journal.record_start(turn, interrupted=[])
 
     stored = await read(db, turn.run_id)
     assert stored.session is None
@@ -294,7 +306,7 @@ async def test_a_model_failure_before_any_write_stores_the_run_and_no_messages(
     turn.iterations = 1
     turn.finished_at = turn.created_at
     end = RunEnd(RunStatus.ERROR, None, error_type="overloaded_error", error_message="try later")
-    await journal.record_end(turn, None, end)
+    await journal.record_end(turn, final=None, end=end)
 
     stored = await read(db, turn.run_id)
     assert stored.history == []
@@ -315,12 +327,16 @@ async def test_a_model_failure_on_an_existing_session_leaves_its_history(
     db: Database, journal: DurableJournal
 ) -> None:
     first = await start(journal, "one")
-    await journal.record_end(first, Message.assistant("hi"), RunEnd(RunStatus.COMPLETE, "hi"))
+    await journal.record_end(
+        first, final=Message.assistant("hi"), end=RunEnd(RunStatus.COMPLETE, "hi")
+    )
     before = await read(db)
 
     failed = await start(journal, "two", stored_count=2)
     await journal.record_end(
-        failed, None, RunEnd(RunStatus.ERROR, None, error_type="api_error", error_message="500")
+        failed,
+        final=None,
+        end=RunEnd(RunStatus.ERROR, None, error_type="api_error", error_message="500"),
     )
 
     after = await read(db, failed.run_id)
@@ -338,10 +354,10 @@ async def test_in_write_2_is_reached_with_the_rows_sent_and_nothing_committed(
     failpoints = CrashAt("in-write-2", lambda: sent.append(results_sent_uncommitted(db, 2)))
     journal = journal_on(db, metrics, failpoints=failpoints)
     turn = await start(journal, "buy it")
-    await journal.record_step(turn, Message.assistant("on it", CALLS))
+    await journal.record_step(turn, assistant=Message.assistant("on it", tool_calls=CALLS))
 
     with pytest.raises(Crash):
-        await journal.record_results(turn, results_for(*CALLS))
+        await journal.record_results(turn, results=results_for(*CALLS))
     assert sent == [True]  # write #2's rows were sent, and not committed, at the point
     stored = await read(db, turn.run_id)
     assert shape(stored.history) == [(1, Role.USER, None), (2, Role.ASSISTANT, None)]

@@ -144,7 +144,7 @@ def test_all_agent_fields(tmp_path: Path) -> None:
 
 
 def test_agent_not_found() -> None:
-    registry = ToolRegistry({}, {})
+    registry = ToolRegistry({}, agents={})
     with pytest.raises(AgentNotFound):
         registry.agent("nope")
     assert registry.tool("nope") is None

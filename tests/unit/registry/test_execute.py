@@ -58,7 +58,7 @@ MAY_HAVE_TAKEN_EFFECT = "; it may or may not have taken effect"
 
 def make_registry(handler: Recorder, *, schema: dict[str, Any] | None = None) -> ToolRegistry:
     tool = Tool(name="t", description="d", input_schema=schema or SCHEMA, handler=handler)
-    return ToolRegistry({"t": tool}, {"a": AgentConfig(name="a", model="m", tools=("t",))})
+    return ToolRegistry({"t": tool}, agents={"a": AgentConfig(name="a", model="m", tools=("t",))})
 
 
 def error_of(result: ToolResult) -> str:
@@ -72,7 +72,7 @@ async def test_ok_result_and_context_passed() -> None:
     handler = Recorder({"ok": True, "n": 1})
     registry = make_registry(handler)
     call = ToolCall("toolu_1", "t", {"n": 1})
-    result = await registry.execute(call, CTX, allowed={"t"})
+    result = await registry.execute(call, ctx=CTX, allowed={"t"})
     assert result == ToolResult("toolu_1", "t", '{"ok":true,"n":1}', False)
     assert handler.calls == [({"n": 1}, CTX)]
 
@@ -82,7 +82,7 @@ async def test_a_result_keeps_its_text_and_loses_only_what_no_store_holds() -> N
     # a lone surrogate, which UTF-8 cannot carry, becomes U+FFFD as in what the model says.
     handler = Recorder({"title": "héllo 🌍 日本", "odd": "x\ud800", "nul": "a\x00b"})
     registry = make_registry(handler)
-    result = await registry.execute(ToolCall("toolu_1", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("toolu_1", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert not result.is_error
     assert result.content == '{"title":"héllo 🌍 日本","odd":"x\ufffd","nul":"a\\u0000b"}'
     assert json.loads(result.content)["nul"] == "a\x00b"  # NUL stays escaped JSON
@@ -91,7 +91,7 @@ async def test_a_result_keeps_its_text_and_loses_only_what_no_store_holds() -> N
 async def test_unknown_tool() -> None:
     handler = Recorder()
     registry = make_registry(handler)
-    result = await registry.execute(ToolCall("c", "nope", {}), CTX, allowed={"t", "nope"})
+    result = await registry.execute(ToolCall("c", "nope", {}), ctx=CTX, allowed={"t", "nope"})
     assert error_of(result) == "unknown tool 'nope'"
     assert (result.tool_call_id, result.tool_name) == ("c", "nope")
 
@@ -99,7 +99,7 @@ async def test_unknown_tool() -> None:
 async def test_tool_not_allowed_is_unknown() -> None:
     handler = Recorder()
     registry = make_registry(handler)
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed=())
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed=())
     assert error_of(result) == "unknown tool 't'"
     assert handler.calls == []
 
@@ -117,7 +117,7 @@ async def test_tool_not_allowed_is_unknown() -> None:
 async def test_invalid_arguments(arguments: dict[str, Any], problems: list[str]) -> None:
     handler = Recorder()
     registry = make_registry(handler)
-    result = await registry.execute(ToolCall("c", "t", arguments), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", arguments), ctx=CTX, allowed={"t"})
     message = error_of(result)
     assert message.startswith("invalid arguments for tool 't': ")
     for problem in problems:
@@ -133,13 +133,13 @@ async def test_validators_are_compiled_once(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(registry_module, "Draft202012Validator", no_compiling)
     for n in range(3):
-        result = await registry.execute(ToolCall(f"c{n}", "t", {"n": n}), CTX, allowed={"t"})
+        result = await registry.execute(ToolCall(f"c{n}", "t", {"n": n}), ctx=CTX, allowed={"t"})
         assert not result.is_error
 
 
 async def test_tool_failed_message_is_the_result() -> None:
     registry = make_registry(Recorder(raises=ToolFailed("order not found")))
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result) == "order not found"
 
 
@@ -154,14 +154,14 @@ async def test_tool_failed_message_is_the_result() -> None:
 )
 async def test_handler_exception_becomes_error_result(exc: Exception, expected: str) -> None:
     registry = make_registry(Recorder(raises=exc))
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result) == expected + MAY_HAVE_TAKEN_EFFECT
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, {"x": math.nan}, [math.inf]])
 async def test_non_serialisable_return_value(value: Any) -> None:
     registry = make_registry(Recorder(value))
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result).startswith("tool 't' returned a value that is not JSON-serialisable")
 
 
@@ -179,7 +179,7 @@ async def test_a_handler_raising_what_ends_tasks_is_an_error_result(
     # Raised by the handler while nobody cancels the run: a handler bug like any other (it
     # was a 500 that left the run `running` and its call to be repaired as if lost).
     registry = make_registry(Recorder(raises=exc))
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result) == expected + MAY_HAVE_TAKEN_EFFECT
 
 
@@ -188,7 +188,7 @@ async def test_a_result_nested_too_deep_to_serialise_is_an_error_result() -> Non
     for _ in range(100_000):
         deep = [deep]
     registry = make_registry(Recorder(deep))
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result).startswith("tool 't' returned a value that is not JSON-serialisable")
 
 
@@ -202,8 +202,8 @@ async def test_a_python_tool_past_its_timeout_is_stopped() -> None:
             stopped.set()
 
     tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=never, timeout_s=0.05)
-    registry = ToolRegistry({"t": tool}, {})
-    result = await registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"})
+    registry = ToolRegistry({"t": tool}, agents={})
+    result = await registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
     assert error_of(result) == (
         "tool 't' did not finish within 0.05s and was stopped; it may or may not have taken effect"
     )
@@ -236,8 +236,10 @@ async def test_cancelling_a_running_handler_propagates() -> None:
         await asyncio.sleep(60)
 
     tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=hang)
-    registry = ToolRegistry({"t": tool}, {})
-    task = asyncio.create_task(registry.execute(ToolCall("c", "t", {"n": 1}), CTX, allowed={"t"}))
+    registry = ToolRegistry({"t": tool}, agents={})
+    task = asyncio.create_task(
+        registry.execute(ToolCall("c", "t", {"n": 1}), ctx=CTX, allowed={"t"})
+    )
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -249,7 +251,7 @@ async def test_broken_schema_does_not_raise() -> None:
     broken: dict[str, Any] = {"type": "object", "$ref": "https://unreachable.invalid/x.json"}
     handler = Recorder()
     registry = make_registry(handler, schema=broken)
-    result = await registry.execute(ToolCall("c", "t", {}), CTX, allowed={"t"})
+    result = await registry.execute(ToolCall("c", "t", {}), ctx=CTX, allowed={"t"})
     assert error_of(result).startswith("cannot validate arguments for tool 't'")
     assert handler.calls == []
 
@@ -257,7 +259,7 @@ async def test_broken_schema_does_not_raise() -> None:
 async def test_python_tool_loaded_from_file_executes(tmp_path: Path) -> None:
     registry = load_registry(write(tmp_path, tool_yaml(f'python: "{HERE}:documented_tool"')))
     call = ToolCall("c", "x", {"name": "Ada"})
-    result = await registry.execute(call, CTX, allowed=registry.agent("a").tools)
+    result = await registry.execute(call, ctx=CTX, allowed=registry.agent("a").tools)
     assert json.loads(result.content) == {"hello": "Ada"}
     await registry.aclose()
 
@@ -273,9 +275,11 @@ async def test_a_handler_changing_its_arguments_leaves_the_call_as_the_model_sen
         return "done"
 
     tool = Tool(name="t", description="d", input_schema=SCHEMA, handler=editing)
-    registry = ToolRegistry({"t": tool}, {"a": AgentConfig(name="a", model="m", tools=("t",))})
+    registry = ToolRegistry(
+        {"t": tool}, agents={"a": AgentConfig(name="a", model="m", tools=("t",))}
+    )
     call = ToolCall("c", "t", {"n": 1, "tags": ["x"]})
-    result = await registry.execute(call, CTX, allowed={"t"})
+    result = await registry.execute(call, ctx=CTX, allowed={"t"})
 
     assert not result.is_error
     assert call.arguments == {"n": 1, "tags": ["x"]}

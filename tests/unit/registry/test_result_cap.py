@@ -66,7 +66,7 @@ def test_a_truncated_result_fits_the_limit_and_keeps_the_start(text: str) -> Non
 
 
 def test_a_truncated_error_stays_an_error() -> None:
-    original = ToolResult.error(ToolCall("toolu_1", "t", {}), "boom " * 5_000)
+    original = ToolResult.error(ToolCall("toolu_1", "t", {}), message="boom " * 5_000)
     result = truncated_result(original, limit=LIMIT)
     assert result.is_error and size(result) <= LIMIT
     assert truncated_head(result).startswith('{"error": "boom boom')
@@ -78,11 +78,11 @@ def test_a_truncated_error_stays_an_error() -> None:
 def registry_of(handler: Any, *, limit: int = LIMIT) -> ToolRegistry:
     tool = Tool(name="t", description="d", input_schema={"type": "object"}, handler=handler)
     agents = {"a": AgentConfig(name="a", model="m", tools=("t",))}
-    return ToolRegistry({"t": tool}, agents, max_result_bytes=limit)
+    return ToolRegistry({"t": tool}, agents=agents, max_result_bytes=limit)
 
 
 async def execute(registry: ToolRegistry, name: str = "t") -> ToolResult:
-    return await registry.execute(ToolCall("toolu_1", name, {}), CTX, allowed=registry.tools)
+    return await registry.execute(ToolCall("toolu_1", name, {}), ctx=CTX, allowed=registry.tools)
 
 
 def returning(value: Any) -> Any:
@@ -120,7 +120,7 @@ async def test_an_error_past_the_limit_is_kept_truncated() -> None:
 
 
 async def test_the_default_limit_is_256_kib() -> None:
-    registry = ToolRegistry({}, {})
+    registry = ToolRegistry({}, agents={})
     assert registry.max_result_bytes == 256 * 1024
     result = await execute(registry_of(returning("y" * 300_000), limit=256 * 1024))
     assert 255 * 1024 < size(result) <= 256 * 1024

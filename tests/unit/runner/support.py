@@ -176,7 +176,7 @@ class RecordingJournal(Journal):
         self.checks.append(len(PROBE.calls))
 
     async def record_step(self, turn: Turn, assistant: Message) -> None:
-        await super().record_step(turn, assistant)
+        await super().record_step(turn, assistant=assistant)
         self.records.append(("step", assistant))
 
     async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
@@ -225,7 +225,7 @@ class Model:
             raise item
         if isinstance(item, ModelResponse):
             return item
-        return ask(f"step {index + 1}", item)
+        return ask(f"step {index + 1}", calls=item)
 
 
 class Repeat(Model):
@@ -239,7 +239,7 @@ class Repeat(Model):
     def __call__(self, request: ModelRequest) -> ModelResponse:
         self.requests.append(dataclasses.replace(request, messages=list(request.messages)))
         n = len(self.requests)
-        return ask(f"step {n}", [ToolCall(f"toolu_{n}", self.name, self.arguments)])
+        return ask(f"step {n}", calls=[ToolCall(f"toolu_{n}", self.name, self.arguments)])
 
 
 def agent_of(registry: ToolRegistry, **changes: Any) -> AgentConfig:

@@ -32,7 +32,7 @@ from tests.unit.runner.support import (
 def orphaned_step(*calls: ToolCall) -> list[Message]:
     return [
         stored(Message.user("buy it"), seq=1, run_id="run-0"),
-        stored(Message.assistant("on it", list(calls)), seq=2, run_id="run-0"),
+        stored(Message.assistant("on it", tool_calls=list(calls)), seq=2, run_id="run-0"),
     ]
 
 
@@ -152,7 +152,9 @@ async def test_repair_only_answers_the_calls_still_missing(
         call("toolu_b", "charge", amount=5),
         call("toolu_c", "lookup", id="C-3"),
     )
-    answered = Message.tool(ToolResult.ok(history[1].tool_calls[0], {"id": "A-1", "found": True}))
+    answered = Message.tool(
+        ToolResult.ok(history[1].tool_calls[0], value={"id": "A-1", "found": True})
+    )
     history.append(stored(answered, seq=3, run_id="run-0"))
     metrics = Metrics()
     results = await repair(registry, history, metrics=metrics)
@@ -214,8 +216,8 @@ async def test_a_failing_safe_retry_stores_its_error_as_the_result(
         pytest.param(
             [
                 Message.user("hi"),
-                Message.assistant("", [ToolCall("toolu_a", "charge", {})]),
-                Message.tool(durability_error("charge", "toolu_a")),
+                Message.assistant("", tool_calls=[ToolCall("toolu_a", "charge", {})]),
+                Message.tool(durability_error("charge", tool_call_id="toolu_a")),
             ],
             id="all-answered",
         ),

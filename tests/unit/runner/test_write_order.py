@@ -143,9 +143,13 @@ async def test_a_continued_turn_does_not_append_its_stored_user_message(
         stored(Message.assistant("earlier answer"), seq=2, run_id="run-0"),
         stored(Message.user("buy it"), seq=3, run_id="run-1"),
         stored(
-            Message.assistant("on it", [call("toolu_a", "note", text="a")]), seq=4, run_id="run-1"
+            Message.assistant("on it", tool_calls=[call("toolu_a", "note", text="a")]),
+            seq=4,
+            run_id="run-1",
         ),
-        stored(Message.tool(durability_error("note", "toolu_a")), seq=5, run_id="run-1"),
+        stored(
+            Message.tool(durability_error("note", tool_call_id="toolu_a")), seq=5, run_id="run-1"
+        ),
     ]
     turn = new_turn("buy it")
     turn.user_stored = True

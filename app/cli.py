@@ -18,6 +18,7 @@ import click
 import uvicorn
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
+from typing_extensions import override
 
 from app.db.migrate import upgrade
 from app.db.session import check_sqlite_writable
@@ -90,6 +91,7 @@ class DrainingServer(uvicorn.Server):
         self._lifecycle = lifecycle
 
     @contextlib.contextmanager
+    @override
     def capture_signals(self) -> Iterator[None]:
         # uvicorn puts the handlers it found back once it has shut down: ignored, so that a
         # signal arriving then (a supervisor's second SIGTERM) does not end the clean exit
@@ -101,7 +103,8 @@ class DrainingServer(uvicorn.Server):
             yield
 
     # Positional: uvicorn calls it so.
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:  # noqa: PLR0917
+    @override
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self._lifecycle.draining:
             log.info("shutting down: no new runs; waiting for runs in progress")
         else:

@@ -201,6 +201,7 @@ class Usage:
 
     @property
     def total(self) -> int:
+        """Input and output tokens together."""
         return self.input_tokens + self.output_tokens
 
 

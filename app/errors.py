@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
+
 
 class AppError(Exception):
     """Base of every error the API renders as problem+json."""
@@ -85,6 +87,7 @@ class SessionBusy(AppError):
             active_run_id=active_run_id,
         )
 
+    @override
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
 
@@ -129,6 +132,7 @@ class MethodNotAllowed(AppError):
         super().__init__(detail)
         self.allow = allow
 
+    @override
     def headers(self) -> dict[str, str]:
         return {"Allow": self.allow} if self.allow is not None else {}
 
@@ -150,6 +154,7 @@ class HttpError(AppError):
         self.status = status
         self._headers = headers
 
+    @override
     def headers(self) -> dict[str, str]:
         return self._headers
 
@@ -160,6 +165,7 @@ class Unavailable(AppError):
     status = 503
     retry_after_s = 2
 
+    @override
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
 
@@ -212,6 +218,7 @@ class Unauthorized(AppError):
     status = 401
     title = "Unauthorized"
 
+    @override
     def headers(self) -> dict[str, str]:
         return {"WWW-Authenticate": "Bearer"}
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from typing_extensions import override
 
 CONTEXT_FIELDS = ("run_id", "session_id", "agent", "tool_call_id")
 _context: dict[str, ContextVar[str | None]] = {
@@ -51,6 +52,7 @@ class ContextFilter(logging.Filter):
     """Adds the bound context fields to each record (and drops uvicorn's `color_message`,
     its message again with terminal colour codes, which a JSON line would carry)."""
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         for name, var in _context.items():
             value = var.get()
@@ -74,6 +76,7 @@ class TextFormatter(logging.Formatter):
     record but for a traceback: what a client sent (a path, an agent name) cannot forge a
     line or colour the terminal."""
 
+    @override
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
         extras = " ".join(
@@ -88,6 +91,7 @@ class GraceEndFilter(logging.Filter):
     (each turn finishes its step and is resumable), so a WARNING: alerts on ERROR lines
     would otherwise fire on a routine deploy."""
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.ERROR and str(record.msg).startswith("Cancel %s running"):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
@@ -146,6 +150,7 @@ class AccessLog:
 
     # Positional: ASGI calls it so.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
+        """Pass the request on and log its line when the answer has gone (or the client has)."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.pool import Pool, QueuePool
+from typing_extensions import override
 
 # Durable writes are milliseconds; model calls and runs are seconds to minutes.
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -93,6 +94,7 @@ class _PoolCollector(Collector):
         """Report this pool (asked for at each scrape: an engine may replace its pool)."""
         self._pool_of = pool_of
 
+    @override
     def collect(self) -> Iterator[Metric]:
         pool = self._pool_of() if self._pool_of is not None else None
         if not isinstance(pool, QueuePool):

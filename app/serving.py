@@ -52,15 +52,20 @@ class Child(Protocol):
     pid: int
 
     @property
-    def returncode(self) -> int | None: ...
+    def returncode(self) -> int | None:
+        """As `subprocess.Popen`'s."""
 
-    def poll(self) -> int | None: ...
+    def poll(self) -> int | None:
+        """As `subprocess.Popen`'s."""
 
-    def wait(self, timeout: float | None = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int:
+        """As `subprocess.Popen`'s."""
 
-    def send_signal(self, sig: int) -> None: ...
+    def send_signal(self, sig: int) -> None:
+        """As `subprocess.Popen`'s."""
 
-    def terminate(self) -> None: ...
+    def terminate(self) -> None:
+        """As `subprocess.Popen`'s."""
 
 
 class ServeProcess:

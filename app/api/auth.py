@@ -66,6 +66,7 @@ class RequireApiKey:
 
     # Positional: ASGI calls it so.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
+        """Answer 401 for a /v1 request without a valid key; pass the rest on with its tenant."""
         # Without API_KEYS every request acts for no tenant: no route to look up.
         if scope["type"] == "http" and (self.keys is None or self._is_v1_route(scope)):
             try:

@@ -14,6 +14,7 @@ class HeadAsGet:
 
     # Positional: ASGI calls it so.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
+        """Pass a HEAD on as a GET, keeping the response's headers and dropping its body."""
         if scope["type"] != "http" or scope["method"] != "HEAD":
             await self.app(scope, receive, send)
             return

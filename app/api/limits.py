@@ -29,6 +29,7 @@ class BodySizeLimit:
 
     # Positional: ASGI calls it so.
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # noqa: PLR0917
+        """Read the whole body within the limit, then pass the request on with it."""
         if scope["type"] != "http":  # every method: a body is a body, even on GET or DELETE
             await self.app(scope, receive, send)
             return

@@ -117,6 +117,7 @@ class TransactionCounter:
         self._locks = self.ownership.statements - self._locks_before
 
     def result(self) -> Transactions:
+        """What was counted, split by kind."""
         return Transactions(
             self.commits,
             self.writing,

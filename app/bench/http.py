@@ -119,6 +119,7 @@ class ModelCalls:
         return elapsed
 
     def mean_ms(self, *, durable: bool) -> float:
+        """The mean model call as the server timed it, in ms, for one kind of session."""
         seconds, count = self._totals[durable]
         return 1000 * seconds / count if count else 0.0
 

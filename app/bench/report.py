@@ -67,6 +67,7 @@ class Transactions:
 
     @property
     def described(self) -> str:
+        """The count with its parts, as the targets table shows it."""
         text = f"{self.including_locks} ({self.writing} writing, {self.read_only} read"
         return text + (f", {self.lock_statements} lock)" if self.lock_statements else ")")
 
@@ -123,6 +124,7 @@ class SideEffectCount:
 
     @property
     def exactly_once(self) -> bool:
+        """Every expected call ran, and none more than once."""
         return self.counted == self.expected and self.repeated == 0
 
     def __add__(self, other: SideEffectCount) -> SideEffectCount:
@@ -133,6 +135,7 @@ class SideEffectCount:
         )
 
     def as_dict(self) -> dict[str, Any]:
+        """The counts and the verdict, for --json."""
         return {**asdict(self), "exactly_once": self.exactly_once}
 
 

@@ -105,6 +105,7 @@ class SideEffects:
 
     @property
     def total(self) -> int:
+        """Calls counted since the last reset."""
         with self._lock:
             return self._total
 
@@ -190,6 +191,7 @@ class BenchModel:
         self.calls: list[tuple[float, float]] = []
 
     def __call__(self, request: ModelRequest) -> ModelResponse:
+        """The scenario's answer to step k of the session in `request`."""
         start = time.perf_counter()
         k = 1 + assistant_count(request.messages)
         # Fixed token counts: the client's own estimate would re-read the whole history.

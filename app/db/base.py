@@ -9,6 +9,7 @@ from sqlalchemy import DateTime, MetaData
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
+from typing_extensions import override
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -30,14 +31,16 @@ class UTCDateTime(TypeDecorator[datetime]):
     cache_ok = True
 
     # Positional: SQLAlchemy calls it so.
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:  # noqa: PLR0917
+    @override
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         value = value.astimezone(UTC)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
     # Positional: SQLAlchemy calls it so.
-    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:  # noqa: PLR0917
+    @override
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         assert isinstance(value, datetime)

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from typing_extensions import override
 
 from app.db import models  # noqa: F401  # registers the tables on Base.metadata
 from app.db.base import Base
@@ -154,25 +155,28 @@ class Transactor(Protocol):
         ...
 
 
-class AsyncTransactor:
+class AsyncTransactor(Transactor):
     """PostgreSQL: the body runs on the async engine's connection (asyncpg, no thread)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
     @property
+    @override
     def engine(self) -> Engine:
         return self._engine.sync_engine
 
+    @override
     async def transact(self, body: Callable[[Connection], T]) -> T:
         async with self._engine.begin() as conn:
             return await conn.run_sync(body)
 
+    @override
     async def dispose(self) -> None:
         return None
 
 
-class InlineTransactor:
+class InlineTransactor(Transactor):
     """SQLite: the body runs right on the event loop's thread, on the stdlib driver.
 
     A WAL commit with synchronous=NORMAL takes tens of microseconds, several times less than
@@ -193,6 +197,7 @@ class InlineTransactor:
         self._held: PoolProxiedConnection | None = None
 
     @property
+    @override
     def engine(self) -> Engine:
         return self._engine
 
@@ -201,6 +206,7 @@ class InlineTransactor:
         and keep that connection for `transact_driver`."""
         self._held = await asyncio.to_thread(self._engine.raw_connection)
 
+    @override
     async def transact(self, body: Callable[[Connection], T]) -> T:
         try:
             return self._run(self._engine, body=body)
@@ -210,6 +216,7 @@ class InlineTransactor:
         return await asyncio.to_thread(self._run, self._waiting, body=body)
 
     async def transact_driver(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `body` in one IMMEDIATE transaction on the held driver connection."""
         assert self._held is not None, "open() first"
         driver = self._held.dbapi_connection
         assert isinstance(driver, sqlite3.Connection)
@@ -229,6 +236,7 @@ class InlineTransactor:
             assert isinstance(driver, sqlite3.Connection)
             return _driver_transaction(driver, body=body)
 
+    @override
     async def dispose(self) -> None:
         if self._held is not None:
             self._held.close()
@@ -284,6 +292,7 @@ class Database:
 
     @property
     def dialect(self) -> str:
+        """`sqlite` or `postgresql`."""
         return self.engine.dialect.name
 
     @classmethod

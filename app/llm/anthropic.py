@@ -19,9 +19,10 @@ from anthropic.types import (
     ToolUseBlockParam,
     UserMessageParam,
 )
+from typing_extensions import override
 
 from app.domain import Message, Role, ToolCall, Usage, nests_deeper_than, storable
-from app.llm.base import LLMError, ModelRequest, ModelResponse, not_a_message
+from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse, not_a_message
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ _ApiRole = Literal["user", "assistant"]
 _Block = TextBlockParam | ToolUseBlockParam | ToolResultBlockParam
 
 
-class AnthropicLLMClient:
+class AnthropicLLMClient(LLMClient):
     """The production model client; retries of 429/5xx/overloaded are left to the SDK."""
 
     def __init__(
@@ -91,6 +92,7 @@ class AnthropicLLMClient:
         self._client = sdk
         self._timeout_s = timeout_s
 
+    @override
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Send one Messages API request and map the answer back to our types."""
         tools, tool_choice = _tools(request)
@@ -122,6 +124,7 @@ class AnthropicLLMClient:
         except _NotAMessage as err:
             raise _logged_not_a_message(str(err)) from err
 
+    @override
     async def aclose(self) -> None:
         """Close the SDK's HTTP connections."""
         await self._client.close()

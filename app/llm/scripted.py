@@ -8,8 +8,10 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from typing_extensions import override
+
 from app.domain import Message, Role, ToolCall, Usage, is_durability_error
-from app.llm.base import LLMError, ModelRequest, ModelResponse
+from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse
 
 PREFIX = "scripted:"
 # A script must be a pure function of the request: a resumed session asks again with the
@@ -35,13 +37,14 @@ def _unknown(model: str, *, scripts: Mapping[str, Script]) -> str:
     return f"unknown scripted model {model!r} (known: {', '.join(sorted(scripts)) or 'none'})"
 
 
-class ScriptedLLMClient:
+class ScriptedLLMClient(LLMClient):
     """LLMClient for `scripted:<name>` models; looks scripts up at call time."""
 
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         # None: the module's registry, so register_script() after construction still counts.
         self._scripts = scripts
 
+    @override
     async def complete(self, request: ModelRequest) -> ModelResponse:
         """Answer with the named script; unknown names are an invalid_request_error."""
         name = request.model.removeprefix(PREFIX)
@@ -54,6 +57,7 @@ class ScriptedLLMClient:
             response.usage = _estimate_usage(request, response=response)
         return response
 
+    @override
     async def aclose(self) -> None:
         """Nothing to release."""
 

@@ -16,6 +16,8 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
+from typing_extensions import override
+
 from app.db.base import utcnow
 from app.db.journal import JournalStore, JournalWrite, WriteOutcomeUnknown
 from app.db.outages import unavailable
@@ -139,6 +141,7 @@ class DurableJournal(Journal):
         self._ownership = ownership
         self._metrics = metrics
 
+    @override
     async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         new_run, run_values = None, None
         if turn.run_stored:  # a continued turn runs again
@@ -157,10 +160,12 @@ class DurableJournal(Journal):
         turn.run_stored = True
         turn.stored_run_values = turn.run_values()
 
+    @override
     async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         with self._metrics.write("repair"):
             await self._write(turn, batch=repairs, touch=False)
 
+    @override
     async def record_step(self, turn: Turn, *, assistant: Message) -> None:
         self._stamp(turn, messages=[assistant])
         self._failpoints.reach("before-write-1")
@@ -168,6 +173,7 @@ class DurableJournal(Journal):
             await self._append(turn, messages=[assistant])
         self._failpoints.reach("after-write-1")
 
+    @override
     async def check_owned(self, turn: Turn) -> None:
         assert turn.session_id is not None
         try:
@@ -236,6 +242,7 @@ class DurableJournal(Journal):
         except WriteOutcomeUnknown as unknown:
             raise unavailable(unknown.error) from unknown.error
 
+    @override
     async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
         self._stamp(turn, messages=results)
         self._failpoints.reach("after-handlers")
@@ -246,6 +253,7 @@ class DurableJournal(Journal):
             await self._append(turn, messages=results, before_commit=before_commit)
         self._failpoints.reach("after-write-2")
 
+    @override
     async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
         values = {
             **turn.run_values(),

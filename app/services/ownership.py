@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from typing_extensions import override
+
 from app.db.urls import sqlite_file
 from app.errors import ConfigError, SessionBusy
 
@@ -181,7 +183,7 @@ def take_serving_lock(lock_file: Path) -> int:
     return fd
 
 
-class LocalOwnership:
+class LocalOwnership(Ownership):
     """One process owns the store (SQLite, memory://): the in-process layer is all it takes.
 
     "One process" is enforced on a SQLite file: `start` takes an exclusive lock on
@@ -197,6 +199,7 @@ class LocalOwnership:
         self._lock_fd: int | None = None
 
     @asynccontextmanager
+    @override
     async def hold(self, session_id: str) -> AsyncIterator[None]:
         await self.active.claim(session_id)
         try:
@@ -205,35 +208,45 @@ class LocalOwnership:
             self.active.release(session_id)
 
     @property
+    @override
     def fence_sql(self) -> str:
         return "1 = 1"
 
     @property
+    @override
     def row_fence_sql(self) -> str:
         return "1 = 1"
 
+    @override
     def fence_params(self, session_id: str) -> dict[str, Any]:
         return {}
 
+    @override
     async def check(self, session_id: str) -> None:
         return None
 
+    @override
     async def retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         return False  # a hold here ends only with the process
 
+    @override
     async def is_held(self, session_id: str) -> bool:
         return self.active.holds(session_id)
 
+    @override
     async def held_among(self, session_ids: Collection[str]) -> set[str]:
         return {s for s in session_ids if self.active.holds(s)}
 
+    @override
     async def start(self) -> None:
         if self._lock_file is not None:
             self._lock_fd = take_serving_lock(self._lock_file)
 
+    @override
     async def ping(self) -> None:
         return None
 
+    @override
     async def stop(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the lock

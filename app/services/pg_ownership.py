@@ -36,11 +36,12 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal, TypeVar
 
 import asyncpg
+from typing_extensions import override
 
 from app.db.outages import PG_CONNECTION_ERRORS
 from app.db.urls import pg_connector
 from app.errors import SessionBusy, SessionConflict
-from app.services.ownership import ActiveRuns
+from app.services.ownership import ActiveRuns, Ownership
 from app.services.pg_locks import (
     HELD_AMONG_SQL,
     PG_FENCE_SQL,
@@ -81,7 +82,7 @@ async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
     return task.result()
 
 
-class PostgresOwnership:
+class PostgresOwnership(Ownership):
     """Advisory locks on one connection per process, with heartbeat-based takeover."""
 
     def __init__(self, database_url: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
@@ -102,6 +103,7 @@ class PostgresOwnership:
         self._beater: asyncio.Task[None] | None = None
         self.statements = 0
 
+    @override
     async def start(self) -> None:
         try:
             await self._connect()
@@ -109,6 +111,7 @@ class PostgresOwnership:
             log.warning("ownership connection failed (%s)", type(exc).__name__)
         self._beater = asyncio.create_task(self._beat(), name="ownership-heartbeat")
 
+    @override
     async def stop(self) -> None:
         if self._beater is not None:
             self._beater.cancel()
@@ -119,6 +122,7 @@ class PostgresOwnership:
                 await self._conn.close()
 
     @asynccontextmanager
+    @override
     async def hold(self, session_id: str) -> AsyncIterator[None]:
         await self.active.claim(session_id)
         try:
@@ -139,13 +143,16 @@ class PostgresOwnership:
             self.active.release(session_id)
 
     @property
+    @override
     def fence_sql(self) -> str:
         return PG_FENCE_SQL
 
     @property
+    @override
     def row_fence_sql(self) -> str:
         return PG_ROW_FENCE_SQL
 
+    @override
     def fence_params(self, session_id: str) -> dict[str, Any]:
         hi, lo = self._held.get(session_id, self._unheld)
         return {"token_hi": hi, "token_lo": lo}
@@ -156,6 +163,7 @@ class PostgresOwnership:
         administrator, or a test, ends to end this process's hold on its sessions."""
         return self._pid
 
+    @override
     async def check(self, session_id: str) -> None:
         if self._stale():
             # The heartbeat is late: the event loop was held up (a tool that blocks it), or
@@ -169,6 +177,7 @@ class PostgresOwnership:
         if self._conn is None or self._conn.is_closed() or self._stale() or lost:
             raise SessionConflict(session_id)
 
+    @override
     async def retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         """Take again a session held by a turn of this process whose lock went with an earlier
         lock connection, if no other runner holds it now and `unchanged()` then says nothing
@@ -209,9 +218,11 @@ class PostgresOwnership:
         """The last heartbeat is older than a holder may go without one and still dispatch."""
         return time.monotonic() - self._last_beat > self._statement_timeout_s
 
+    @override
     async def is_held(self, session_id: str) -> bool:
         return bool(await self.held_among([session_id]))
 
+    @override
     async def held_among(self, session_ids: Collection[str]) -> set[str]:
         held = {s for s in session_ids if self.active.holds(s)}
         others = {lock_key(s): s for s in session_ids if s not in held}
@@ -292,6 +303,7 @@ class PostgresOwnership:
         assert self._conn is not None
         return self._conn
 
+    @override
     async def ping(self) -> None:
         """Raise ConnectionError unless the lock connection answers."""
         await self._query("SELECT 1")

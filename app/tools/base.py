@@ -22,6 +22,7 @@ class ToolContext:
 
     @property
     def idempotency_key(self) -> str:
+        """The key a downstream service can deduplicate this call on."""
         return f"{self.session_id or self.run_id}:{self.tool_call_id}"
 
 

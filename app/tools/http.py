@@ -9,8 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from typing_extensions import override
 
-from app.tools.base import DEFAULT_MAX_RESULT_BYTES, ResultTooLarge, ToolContext, ToolFailed
+from app.tools.base import (
+    DEFAULT_MAX_RESULT_BYTES,
+    ResultTooLarge,
+    ToolContext,
+    ToolFailed,
+    ToolHandler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,7 @@ class SharedHttpClient:
             await client.aclose()
 
 
-class HttpToolHandler:
+class HttpToolHandler(ToolHandler):
     """A ToolHandler that POSTs its arguments to `url` with the call's Idempotency-Key."""
 
     def __init__(
@@ -74,7 +81,8 @@ class HttpToolHandler:
         self._client = client
 
     # Positional: the tool handler interface (README).
-    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:  # noqa: PLR0917
+    @override
+    async def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
         """POST `arguments`; return the 2xx JSON answer or raise ToolFailed."""
         headers = {**self.headers, "Idempotency-Key": ctx.idempotency_key}
         try:

@@ -16,6 +16,7 @@ from sqlalchemy import PoolProxiedConnection
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.util import greenlet_spawn
+from typing_extensions import override
 
 from app.db.journal.sql import (
     JSON_COLUMNS,
@@ -27,7 +28,7 @@ from app.db.journal.sql import (
     interrupted_sql,
     run_update_sql,
 )
-from app.db.journal.write import JournalWrite, WriteOutcomeUnknown
+from app.db.journal.write import JournalStore, JournalWrite, WriteOutcomeUnknown
 from app.db.outages import (
     PG_CONNECTION_ERRORS,
     pg_read_only,
@@ -92,7 +93,7 @@ class _Statement:
 
 
 @dataclass
-class PostgresJournalStore:
+class PostgresJournalStore(JournalStore):
     """Each write one statement: claim the seqs (or create the session) under the fence, then
     insert the messages and the run and update runs, all conditioned on the claim."""
 
@@ -109,6 +110,7 @@ class PostgresJournalStore:
         # What tells whether a write whose connection died had committed (`_resend_after`).
         self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {STORED_COLUMNS}")
 
+    @override
     async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         params = {"session_id": session_id, "run_id": run_id}
         try:
@@ -138,6 +140,7 @@ class PostgresJournalStore:
                 row=True,
             )
 
+    @override
     async def write(self, write: JournalWrite) -> None:
         shape = _Shape(
             create=write.new_session is not None,

@@ -6,6 +6,8 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any
 
+from typing_extensions import override
+
 from app.db import models
 from app.db.journal.sql import (
     MESSAGE_COLUMNS,
@@ -15,7 +17,7 @@ from app.db.journal.sql import (
     interrupted_sql,
     run_update_sql,
 )
-from app.db.journal.write import JournalWrite
+from app.db.journal.write import JournalStore, JournalWrite
 from app.db.outages import sqlite_statement_error, unavailable
 from app.db.repositories import message_to_row
 from app.db.session import InlineTransactor
@@ -26,7 +28,7 @@ from app.errors import SessionConflict
 _SQLITE_ANOTHER_WRITER = frozenset({"SQLITE_CONSTRAINT_PRIMARYKEY", "SQLITE_CONSTRAINT_UNIQUE"})
 
 
-class SqliteJournalStore:
+class SqliteJournalStore(JournalStore):
     """Each write one transaction body on `Database.writes`: the claim, then the inserts and
     updates, as fixed SQL text (kept prepared by the driver) on the stdlib driver.
 
@@ -66,6 +68,7 @@ class SqliteJournalStore:
         }
         self._timestamp = self._bind["session"]["updated_at"]  # how a UTCDateTime is stored
 
+    @override
     async def write(self, write: JournalWrite) -> None:
         try:
             statements = await self._writes.transact_driver(lambda d: self._body(d, write=write))
@@ -80,6 +83,7 @@ class SqliteJournalStore:
         for observer in self.observers:
             observer(statements)
 
+    @override
     async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         def read(driver: sqlite3.Connection) -> tuple[int | None, str | None]:
             params = {"session_id": session_id, "run_id": run_id}

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -41,38 +38,13 @@ from app.failpoints import Failpoints
 from app.metrics import Metrics
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, UsageRead
 from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
+from app.services.idempotency import fingerprint
 from app.services.journal import DurableJournal, Journal, Turn
 from app.services.ownership import ActiveRuns, Ownership
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(body: RunCreate, *, floats_as_sent: bool = False) -> str:
-    """A hash of the request body as parsed JSON, to tell a retry from a different request.
-
-    `floats_as_sent`: as the builds before 2026-11-30 stored it, which hashed 12.0 as
-    written (not as the 12 it equals); a key one of them stored must still replay (to the
-    body as first sent: a retry that spells 12.0 as 12 differs from it there)."""
-    parsed = body.model_dump(mode="json", exclude_unset=True)
-    canonical = json.dumps(
-        parsed if floats_as_sent else _integral_floats_as_ints(parsed),
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _integral_floats_as_ints(value: Any) -> Any:
-    """JSON has one kind of number: 12.0 and 12 are the same value."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral_floats_as_ints(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)

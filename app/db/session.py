@@ -218,7 +218,7 @@ class InlineTransactor(Transactor):
     async def transact_driver(self, body: Callable[[sqlite3.Connection], T]) -> T:
         """Run `body` in one IMMEDIATE transaction on the held driver connection."""
         assert self._held is not None, "open() first"
-        driver = self._held.dbapi_connection
+        driver = self._held.driver_connection
         assert isinstance(driver, sqlite3.Connection)
         try:
             return _driver_transaction(driver, body=body)
@@ -232,7 +232,7 @@ class InlineTransactor(Transactor):
 
     def _run_driver_waiting(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._waiting.connect() as conn:
-            driver = conn.connection.dbapi_connection
+            driver = conn.connection.driver_connection
             assert isinstance(driver, sqlite3.Connection)
             return _driver_transaction(driver, body=body)
 

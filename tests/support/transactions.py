@@ -46,7 +46,7 @@ def results_sent_uncommitted(db: Database, results: int) -> bool:
     if db.dialect == "sqlite":
         assert isinstance(db.writes, InlineTransactor)
         held = db.writes._held
-        driver = held.dbapi_connection if held is not None else None
+        driver = held.driver_connection if held is not None else None
         assert isinstance(driver, sqlite3.Connection) and driver.in_transaction
         sent = driver.execute("SELECT count(*) FROM message WHERE role = 'tool'").fetchone()[0]
         return bool(sent == results)

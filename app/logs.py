@@ -191,18 +191,17 @@ class AccessLog:
                 status = CLIENT_CLOSED_REQUEST
             elif status is None:
                 status = 500  # no answer was started, and the client is there: ours to send
-            path = _logged_path(scope["path"])
-            extra: dict[str, Any] = {
-                "method": scope["method"],
-                "path": path,
-                "status": status,
-                "duration_ms": round((time.perf_counter() - start) * 1000, 2),
-            }
-            access_log.info(
-                "%s %s %s %.1fms",
-                scope["method"],
-                path,
-                status,
-                extra["duration_ms"],
-                extra=extra,
-            )
+            _log_request(scope, status=status, start=start)
+
+
+def _log_request(scope: Scope, *, status: int, start: float) -> None:
+    path = _logged_path(scope["path"])
+    extra: dict[str, Any] = {
+        "method": scope["method"],
+        "path": path,
+        "status": status,
+        "duration_ms": round((time.perf_counter() - start) * 1000, 2),
+    }
+    access_log.info(
+        "%s %s %s %.1fms", scope["method"], path, status, extra["duration_ms"], extra=extra
+    )

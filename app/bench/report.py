@@ -185,31 +185,36 @@ class Report:
         return json.dumps(asdict(self), indent=2)
 
 
+def _overhead_targets(report: Report) -> list[Target]:
+    """The durable overhead per step against its store's target, through the service layer
+    and (the same target) through a real server."""
+    limit = OVERHEAD_TARGET_MS.get(report.machine["database"])
+    overheads = [("durable overhead", report.service.sessions.overhead_ms_per_step)]
+    if report.http is not None:
+        overheads.append(("durable overhead, HTTP", report.http.sessions.overhead_ms_per_step))
+    return [
+        Target(
+            name,
+            f"<= {limit} ms/step" if limit else "-",
+            f"{value:.3f} ms/step",
+            value <= limit if limit else None,
+        )
+        for name, value in overheads
+    ]
+
+
 def targets(report: Report) -> list[Target]:
     """Each target of the issue against what was measured."""
     kind = report.machine["database"]
     steps = report.scenario["steps"]
     service = report.service
-    overhead = service.sessions.overhead_ms_per_step
-    limit = OVERHEAD_TARGET_MS.get(kind)
     txns = service.transactions
     long = service.long_session
     byte_limit = BYTES_TARGET_PER_200_STEPS * long.steps / 200
     rate = service.throughput.sessions_per_s
     floor = service.commit_floor
-    overheads = [("durable overhead", overhead)]
-    if report.http is not None:  # the same target, through a real server
-        overheads.append(("durable overhead, HTTP", report.http.sessions.overhead_ms_per_step))
     return [
-        *(
-            Target(
-                name,
-                f"<= {limit} ms/step" if limit else "-",
-                f"{value:.3f} ms/step",
-                value <= limit if limit else None,
-            )
-            for name, value in overheads
-        ),
+        *_overhead_targets(report),
         Target(
             f"transactions per {steps}-step session",
             str(durable_writes(steps)),

@@ -86,9 +86,9 @@ class RunEnd:
 
 
 class Journal:
-    """Where the runner records a turn. This base writes nothing: it is a stateless run's
-    journal (`Journal()`). `DurableJournal` writes each step; both name the run on every
-    message of the turn (`run_id`), here."""
+    """Where the runner records a turn: the interface, and what every journal does (name the
+    run on each message of the turn, `run_id`). `StatelessJournal` writes nothing;
+    `DurableJournal` writes each step."""
 
     async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         """Start of a turn: the run, and the runs found dead (their runners died)."""
@@ -98,28 +98,15 @@ class Journal:
 
     async def record_step(self, turn: Turn, *, assistant: Message) -> None:
         """Write #1: the assistant message with its tool calls (and the user message)."""
-        self._number(turn, messages=[assistant])
 
     async def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
 
     async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
         """Write #2: every tool result of the step, or none."""
-        self._number(turn, messages=results)
 
     async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
         """End of turn: the final answer (and the user message) and the run's outcome."""
-        self._number(turn, messages=[final] if final is not None else [])
-
-    def _number(self, turn: Turn, *, messages: Sequence[Message]) -> None:
-        """A stateless turn's messages get the `seq` and `created_at` a stored one would:
-        the turn is all the history there is, so its user message is 1."""
-        self._stamp(turn, messages=messages)
-        now = utcnow()
-        if turn.user_message.seq is None:
-            turn.user_message.seq, turn.user_message.created_at = 1, turn.created_at
-        for offset, message in enumerate(messages, start=len(turn.messages) + 1):
-            message.seq, message.created_at = offset, now
 
     @staticmethod
     def _stamp(turn: Turn, *, messages: Sequence[Message]) -> None:
@@ -128,6 +115,32 @@ class Journal:
             turn.user_message.run_id = turn.run_id
         for message in messages:
             message.run_id = turn.run_id
+
+
+class StatelessJournal(Journal):
+    """A run without a session: nothing is written (§2), but the turn's messages get the
+    `seq` and `created_at` a stored turn's would; the turn is all the history there is, so
+    its user message is 1."""
+
+    @override
+    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+        self._number(turn, messages=[assistant])
+
+    @override
+    async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
+        self._number(turn, messages=results)
+
+    @override
+    async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
+        self._number(turn, messages=[final] if final is not None else [])
+
+    def _number(self, turn: Turn, *, messages: Sequence[Message]) -> None:
+        self._stamp(turn, messages=messages)
+        now = utcnow()
+        if turn.user_message.seq is None:
+            turn.user_message.seq, turn.user_message.created_at = 1, turn.created_at
+        for offset, message in enumerate(messages, start=len(turn.messages) + 1):
+            message.seq, message.created_at = offset, now
 
 
 class DurableJournal(Journal):

@@ -39,7 +39,7 @@ from app.metrics import Metrics
 from app.schemas.runs import MessageRead, RunCreate, RunErrorRead, RunRead, UsageRead
 from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
 from app.services.idempotency import fingerprint
-from app.services.journal import DurableJournal, Journal, Turn
+from app.services.journal import DurableJournal, StatelessJournal, Turn
 from app.services.ownership import ActiveRuns, Ownership
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.registry import ToolRegistry
@@ -108,7 +108,7 @@ class RunService:
             logs.bind(run_id=turn.run_id)
             return RunResult(
                 self._outcome_read(
-                    await self.runner.run(turn, journal=Journal(), history=[], agent=agent)
+                    await self.runner.run(turn, journal=StatelessJournal(), history=[], agent=agent)
                 )
             )
         if not self.db.durable:

@@ -22,7 +22,7 @@ from app.errors import SessionConflict
 from app.llm.base import ModelRequest, ModelResponse
 from app.llm.scripted import ScriptedLLMClient, ask, final
 from app.metrics import Metrics
-from app.services.journal import Journal, RunEnd, Turn
+from app.services.journal import RunEnd, StatelessJournal, Turn
 from app.services.runner import AgentRunner, RunOutcome
 from app.tools.base import AgentConfig, ToolContext
 from app.tools.registry import ToolRegistry
@@ -156,7 +156,7 @@ async def charge(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
 # --- test doubles --------------------------------------------------------------------------------
 
 
-class RecordingJournal(Journal):
+class RecordingJournal(StatelessJournal):
     """Appends (kind, payload) per write, in the order the runner makes them.
 
     `checks` holds, per `check_owned` call, how many handlers had been invoked by then.

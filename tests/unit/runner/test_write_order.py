@@ -5,7 +5,7 @@ from __future__ import annotations
 from app.domain import Message, Role, RunStatus, durability_error
 from app.llm.scripted import ScriptedLLMClient
 from app.metrics import Metrics
-from app.services.journal import Journal, RunEnd
+from app.services.journal import RunEnd, StatelessJournal
 from app.services.runner import AgentRunner
 from app.tools.registry import ToolRegistry
 from tests.unit.runner.support import (
@@ -125,7 +125,7 @@ async def test_the_stateless_journal_runs_the_same_loop(
         metrics=metrics,
     )
     outcome = await runner.run(
-        new_turn(), journal=Journal(), history=[], agent=registry.agent("main")
+        new_turn(), journal=StatelessJournal(), history=[], agent=registry.agent("main")
     )
     assert outcome.end == RunEnd(RunStatus.COMPLETE, "done")
     assert [name for name, _ in probe.calls] == ["note"]

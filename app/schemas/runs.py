@@ -1,4 +1,4 @@
-"""Runs, sessions, messages and agents as the API shows them."""
+"""Runs and their messages as the API shows them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.domain import Message, Role, RunStatus, SessionStatus, nests_deeper_than
-from app.tools.base import AgentConfig, Tool
+from app.domain import Message, Role, RunStatus, nests_deeper_than
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 MAX_METADATA_DEPTH = 32
@@ -140,53 +139,3 @@ class RunRead(RunSummary):
     """A run with the messages of its turn (`session_id` is null for a stateless run)."""
 
     messages: list[MessageRead]
-
-
-class SessionRead(BaseModel):
-    id: str
-    agent: str
-    user_id: str | None
-    tenant_id: str | None
-    metadata: dict[str, Any]
-    created_at: datetime
-    updated_at: datetime
-    message_count: int
-    status: SessionStatus
-
-
-class ToolRead(BaseModel):
-    name: str
-    description: str
-    input_schema: dict[str, Any]
-    safe_to_retry: bool
-    parallel: bool
-
-    @classmethod
-    def of(cls, tool: Tool) -> ToolRead:
-        """The API shape of a configured tool."""
-        return cls(
-            name=tool.name,
-            description=tool.description,
-            input_schema=tool.input_schema,
-            safe_to_retry=tool.safe_to_retry,
-            parallel=tool.parallel,
-        )
-
-
-class AgentRead(BaseModel):
-    name: str
-    description: str | None
-    model: str
-    max_iterations: int
-    tools: list[ToolRead]
-
-    @classmethod
-    def of(cls, agent: AgentConfig, *, tools: list[Tool]) -> AgentRead:
-        """The API shape of an agent."""
-        return cls(
-            name=agent.name,
-            description=agent.description,
-            model=agent.model,
-            max_iterations=agent.max_iterations,
-            tools=[ToolRead.of(t) for t in tools],
-        )

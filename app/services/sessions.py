@@ -25,7 +25,8 @@ from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
 from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, next_after
-from app.schemas.runs import MessageRead, RunSummary, SessionRead
+from app.schemas.runs import MessageRead, RunSummary
+from app.schemas.sessions import SessionRead
 from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
 from app.services.ownership import Ownership
 

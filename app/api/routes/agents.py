@@ -9,8 +9,8 @@ from fastapi import APIRouter, Query
 from app.api.deps import RegistryDep
 from app.api.problems import responses
 from app.errors import AgentNotFound, Unauthorized, ValidationFailed
+from app.schemas.agents import AgentRead
 from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page, next_after
-from app.schemas.runs import AgentRead
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
 

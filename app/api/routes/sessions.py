@@ -17,7 +17,8 @@ from app.errors import (
     ValidationFailed,
 )
 from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page
-from app.schemas.runs import SESSION_ID_PATTERN, MessageRead, RunSummary, SessionRead
+from app.schemas.runs import SESSION_ID_PATTERN, MessageRead, RunSummary
+from app.schemas.sessions import SessionRead
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

@@ -169,23 +169,23 @@ class RecordingJournal(StatelessJournal):
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.records]
 
-    async def record_start(self, turn: Turn, interrupted: Sequence[str]) -> None:
+    async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         self.records.append(("start", list(interrupted)))
 
     async def check_owned(self, turn: Turn) -> None:
         self.checks.append(len(PROBE.calls))
 
-    async def record_step(self, turn: Turn, assistant: Message) -> None:
+    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
         await super().record_step(turn, assistant=assistant)
         self.records.append(("step", assistant))
 
-    async def record_results(self, turn: Turn, results: Sequence[Message]) -> None:
+    async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
         self.records.append(("results", list(results)))
 
-    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+    async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         self.records.append(("repairs", list(repairs)))
 
-    async def record_end(self, turn: Turn, final: Message | None, end: RunEnd) -> None:
+    async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
         self.records.append(("end", (final, end)))
 
 

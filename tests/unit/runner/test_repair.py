@@ -55,7 +55,7 @@ async def repair(
 
 
 class FailingRepairs(RecordingJournal):
-    async def record_repairs(self, turn: Turn, repairs: Sequence[Message]) -> None:
+    async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         raise SessionConflict("sess-1")
 
 

@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.domain import Message, Role, RunStatus, nests_deeper_than
+from app.schemas.sessions import SESSION_ID_PATTERN
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 MAX_METADATA_DEPTH = 32
 
 

@@ -9,6 +9,9 @@ from pydantic import BaseModel
 
 from app.domain import SessionStatus
 
+# §3: 1 to 128 characters of A-Z a-z 0-9 . _ : - (a run's `session_id`, the session routes' path).
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
 
 class SessionRead(BaseModel):
     id: str

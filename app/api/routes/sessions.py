@@ -17,8 +17,8 @@ from app.errors import (
     ValidationFailed,
 )
 from app.schemas.common import DEFAULT_PAGE, MAX_PAGE, Page
-from app.schemas.runs import SESSION_ID_PATTERN, MessageRead, RunSummary
-from app.schemas.sessions import SessionRead
+from app.schemas.runs import MessageRead, RunSummary
+from app.schemas.sessions import SESSION_ID_PATTERN, SessionRead
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

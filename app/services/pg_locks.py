@@ -60,7 +60,7 @@ def new_token() -> Token:
 
 
 def key_parts(key: int) -> tuple[int, int]:
-    """A lock key as pg_locks shows it: (classid, objid)."""
-    # pg_locks shows a bigint key as classid = high 32 bits, objid = low 32 bits, objsubid = 1.
+    """A bigint lock key as pg_locks shows it: (classid, objid), its high and low 32 bits
+    (with objsubid = 1)."""
     unsigned = key & 0xFFFFFFFFFFFFFFFF
     return unsigned >> 32, unsigned & 0xFFFFFFFF

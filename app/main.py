@@ -54,9 +54,7 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
     ownership are created by the lifespan."""
     settings = settings or Settings()
     failpoints = Failpoints.parse(settings.failpoints)
-    registry = load_registry(settings.agents_file, max_result_bytes=settings.tool_result_max_bytes)
-    if llm is None:  # the built-in scripts answer `scripted:` models: refuse a name they lack
-        _refuse_unknown_scripts(registry, agents_file=settings.agents_file)
+    registry = load_agents(settings, own_model=llm is not None)
     # Set but empty is refused (ApiKeys.parse), not taken for unset: a deployment template
     # that lost its keys must not serve every tenant's data without one.
     api_keys = (
@@ -69,39 +67,70 @@ def create_app(settings: Settings | None = None, *, llm: LLMClient | None = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Each resource is closed, in reverse order, once it exists: at shutdown, and when a
-        # later step of the start fails.
-        async with AsyncExitStack() as resources:
-            db = await Database.connect(
-                settings.database_url, pool_size=settings.database_pool_size
-            )
-            resources.push_async_callback(db.dispose)
-            metrics.pool.watch(lambda: db.engine.pool)
-            resources.push_async_callback(registry.aclose)
-            model = llm or ModelRouter.from_settings(
-                max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
-            )
-            resources.push_async_callback(model.aclose)
-            ownership = build_ownership(db, settings=settings)
-            resources.push_async_callback(ownership.stop)  # copes with a start cut short
-            await ownership.start()
-            runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
-            run_service = RunService(db, registry, runner, failpoints, ownership, metrics)
-            # First: the turns cut off use all the rest. A second signal stops the wait.
-            resources.push_async_callback(lifecycle.unless_forced, run_service.settle)
-            app.state.services = Services(
-                registry=registry,
-                runs=run_service,
-                sessions=SessionService(db, ownership, metrics),
-                health=HealthService(db, ownership, head_revision() if db.durable else None),
-                metrics=metrics,
-                lifecycle=lifecycle,
-            )
+        async with open_services(
+            settings,
+            registry=registry,
+            failpoints=failpoints,
+            llm=llm,
+            metrics=metrics,
+            lifecycle=lifecycle,
+        ) as services:
+            app.state.services = services
             yield
 
     app = _api(lifespan, api_keys=api_keys, lifecycle=lifecycle)
     app.state.lifecycle = lifecycle
     return app
+
+
+@asynccontextmanager
+async def open_services(
+    settings: Settings,
+    *,
+    registry: ToolRegistry,
+    failpoints: Failpoints,
+    llm: LLMClient | None = None,
+    metrics: Metrics,
+    lifecycle: Lifecycle,
+) -> AsyncIterator[Services]:
+    """The engine, the model client, ownership and the services over them, for the app's
+    lifespan and for the commands that run turns without a server (`run`, `bench`). On
+    exit, the turns cut off finish their step, then each resource closes."""
+    # Each resource is closed, in reverse order, once it exists: at the end, and when a
+    # later step of the start fails.
+    async with AsyncExitStack() as resources:
+        db = await Database.connect(settings.database_url, pool_size=settings.database_pool_size)
+        resources.push_async_callback(db.dispose)
+        metrics.pool.watch(lambda: db.engine.pool)
+        resources.push_async_callback(registry.aclose)
+        model = llm or ModelRouter.from_settings(
+            max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
+        )
+        resources.push_async_callback(model.aclose)
+        ownership = build_ownership(db, settings=settings)
+        resources.push_async_callback(ownership.stop)  # copes with a start cut short
+        await ownership.start()
+        runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
+        run_service = RunService(db, registry, runner, failpoints, ownership, metrics)
+        # First: the turns cut off use all the rest. A second signal stops the wait.
+        resources.push_async_callback(lifecycle.unless_forced, run_service.settle)
+        yield Services(
+            registry=registry,
+            runs=run_service,
+            sessions=SessionService(db, ownership, metrics),
+            health=HealthService(db, ownership, head_revision() if db.durable else None),
+            metrics=metrics,
+            lifecycle=lifecycle,
+        )
+
+
+def load_agents(settings: Settings, *, own_model: bool = False) -> ToolRegistry:
+    """The agents file (AGENTS_FILE, or the built-in examples); raises ConfigError. Unless
+    the caller brings its own model client, a `scripted:` model must name a built-in script."""
+    registry = load_registry(settings.agents_file, max_result_bytes=settings.tool_result_max_bytes)
+    if not own_model:
+        _refuse_unknown_scripts(registry, agents_file=settings.agents_file)
+    return registry
 
 
 def _refuse_unknown_scripts(registry: ToolRegistry, *, agents_file: Path | None) -> None:

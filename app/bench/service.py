@@ -1,8 +1,8 @@
 """The service-layer bench: the real RunService on the given database, no HTTP.
 
-Built as the app's lifespan builds it (Database.connect, the agents file, build_ownership),
-with the scenario's python tools and its scripted model; sessions go through
-`RunService.create`, stateless without a session_id, durable with a fresh one each.
+Built as the app's lifespan builds it (main.open_services), with the scenario's python tools
+and its scripted model; sessions go through `RunService.create`, stateless without a
+session_id, durable with a fresh one each.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import asyncio
 import statistics
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
+from app.api.deps import Lifecycle
 from app.bench.database import (
     TransactionCounter,
     commit_floor,
@@ -48,15 +51,12 @@ from app.db.session import Database
 from app.failpoints import Failpoints
 from app.llm.scripted import PREFIX as SCRIPTED
 from app.llm.scripted import ScriptedLLMClient
-from app.main import build_ownership
+from app.main import open_services
 from app.metrics import Metrics
 from app.schemas.runs import RunCreate, RunRead
-from app.services.ownership import Ownership
-from app.services.runner import AgentRunner
 from app.services.runs import RunService
 from app.settings import Settings
 from app.tools.agents_file import parse_registry
-from app.tools.registry import ToolRegistry
 
 
 def check_run(run: RunRead, *, steps: int) -> None:
@@ -74,35 +74,29 @@ class Rig:
 
     db: Database
     service: RunService
-    ownership: Ownership
-    registry: ToolRegistry
     long_model: BenchModel
     expected_effects: int = 0
 
     @classmethod
-    async def open(cls, database_url: str, *, options: BenchOptions) -> Rig:
-        """Build the service as the app's lifespan does."""
-        settings = Settings(database_url=database_url)
-        db = await Database.connect(database_url, pool_size=settings.database_pool_size)
+    @asynccontextmanager
+    async def open(cls, database_url: str, *, options: BenchOptions) -> AsyncIterator[Rig]:
+        """The service as the app's lifespan builds it, with the scenario's agents and model."""
         agents = {
             AGENT: (f"{SCRIPTED}{AGENT}", options.steps),
             LONG_AGENT: (f"{SCRIPTED}{LONG_AGENT}", options.long_steps),
         }
-        registry = parse_registry(agents_yaml(agents), label="bench scenario")
         long_model = BenchModel(options.long_steps)
-        llm = ScriptedLLMClient(scripts={AGENT: BenchModel(options.steps), LONG_AGENT: long_model})
-        metrics = Metrics()
-        ownership = build_ownership(db, settings=settings)
-        await ownership.start()
-        runner = AgentRunner(llm=llm, registry=registry, metrics=metrics)
-        service = RunService(db, registry, runner, Failpoints.parse(None), ownership, metrics)
-        return cls(db, service, ownership, registry, long_model)
-
-    async def close(self) -> None:
-        """Release connections."""
-        await self.ownership.stop()
-        await self.registry.aclose()
-        await self.db.dispose()
+        async with open_services(
+            Settings(database_url=database_url),
+            registry=parse_registry(agents_yaml(agents), label="bench scenario"),
+            failpoints=Failpoints.parse(None),
+            llm=ScriptedLLMClient(
+                scripts={AGENT: BenchModel(options.steps), LONG_AGENT: long_model}
+            ),
+            metrics=Metrics(),
+            lifecycle=Lifecycle(),
+        ) as services:
+            yield cls(services.runs.db, services.runs, long_model)
 
     async def session(
         self, *, durable: bool, steps: int, agent: str = AGENT
@@ -150,7 +144,7 @@ def sessions_of(stateless: list[float], *, durable: list[float], steps: int) -> 
 
 async def count_transactions(rig: Rig, *, steps: int) -> Transactions:
     """What one durable session asks of the database."""
-    with TransactionCounter(rig.db, rig.service.store, rig.ownership) as counter:
+    with TransactionCounter(rig.db, rig.service.store, rig.service.ownership) as counter:
         await rig.session(durable=True, steps=steps)
     return counter.result()
 
@@ -239,8 +233,7 @@ async def measure_service(
 ) -> tuple[ServiceFigures, str]:
     """Every service-layer figure, and the database's version."""
     SLACK.reset()
-    rig = await Rig.open(database_url, options=options)
-    try:
+    async with Rig.open(database_url, options=options) as rig:
         sessions = await time_sessions(rig, options=options)
         transactions = await count_transactions(rig, steps=options.steps)
         # Before the concurrent sessions: PostgreSQL extends a table by many empty pages at
@@ -250,8 +243,6 @@ async def measure_service(
         others = await crowded(rig, database_url=database_url, options=options)
         floor = await commit_floor(rig.db, store=rig.service.store, options=options)
         version = await database_version(rig.db)
-    finally:
-        await rig.close()
     side_effects = check_side_effects(rig.expected_effects)
     overhead = sessions.overhead_ms_per_step * options.steps
     figures = ServiceFigures(

@@ -12,6 +12,9 @@ from app.domain import Message, Role, RunStatus, nests_deeper_than
 from app.schemas.sessions import SESSION_ID_PATTERN
 
 MAX_METADATA_DEPTH = 32
+# An Idempotency-Key (§4): printable ASCII without spaces, as an HTTP header carries it.
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
+IDEMPOTENCY_KEY_MAX_LENGTH = 255
 
 
 class RunCreate(BaseModel):

@@ -32,22 +32,33 @@ from app.errors import (
     Unauthorized,
     ValidationFailed,
 )
-from app.schemas.runs import RunCreate, RunRead
+from app.schemas.runs import (
+    IDEMPOTENCY_KEY_MAX_LENGTH,
+    IDEMPOTENCY_KEY_PATTERN,
+    RunCreate,
+    RunRead,
+)
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
-KEY_PATTERN = r"^[\x21-\x7e]+$"
 IdempotencyKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
         min_length=1,
-        max_length=255,
-        pattern=KEY_PATTERN,
+        max_length=IDEMPOTENCY_KEY_MAX_LENGTH,
+        pattern=IDEMPOTENCY_KEY_PATTERN,
         description="Names one turn of the session: a retry replays or continues it.",
     ),
     # An optional header is absent, never null: a generated client must not offer to send None.
-    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 255, "pattern": KEY_PATTERN}),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": IDEMPOTENCY_KEY_MAX_LENGTH,
+            "pattern": IDEMPOTENCY_KEY_PATTERN,
+        }
+    ),
 ]
 
 # OpenAPI links: where a run's ids lead (tools that walk the API, schemathesis among them,

@@ -1,17 +1,20 @@
-"""The `agent-runner` command: serve, migrate, bench."""
+"""The `agent-runner` command: serve, migrate, run, tools, bench."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import sqlite3
 import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import click
@@ -23,8 +26,9 @@ from typing_extensions import override
 from app.db.migrate import upgrade
 from app.db.session import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
-from app.errors import ConfigError
+from app.errors import AppError, ConfigError
 from app.logs import configure_logging
+from app.schemas.runs import IDEMPOTENCY_KEY_MAX_LENGTH, IDEMPOTENCY_KEY_PATTERN, RunCreate
 from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings, load_env_file
 
@@ -36,21 +40,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("app.cli")
 
 
-def _settings() -> Settings:
+def _settings(*, quiet: bool = False) -> Settings:
+    """The environment's settings, logging configured by them; `quiet`: warnings and errors
+    only, unless LOG_LEVEL is set."""
     load_env_file()
     try:
         settings = Settings()
     except ValidationError as exc:
         problems = "; ".join(_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
         raise click.ClickException(f"invalid environment: {problems}") from None
-    configure_logging(settings.log_level, fmt=settings.log_format)
+    quiet = quiet and "log_level" not in settings.model_fields_set
+    configure_logging("WARNING" if quiet else settings.log_level, fmt=settings.log_format)
     return settings
 
 
-def _problem(loc: tuple[int | str, ...], *, msg: str) -> str:
-    """One invalid variable, as `NAME: why` (a check across variables has no name)."""
+def _problem(loc: tuple[int | str, ...], *, msg: str, variable: bool = True) -> str:
+    """One invalid variable, as `NAME: why` (a check across variables has no name); or, not
+    a `variable`, one invalid field as `name: why`."""
     why = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-    return f"{'.'.join(map(str, loc)).upper()}: {why}" if loc else why
+    name = ".".join(map(str, loc))
+    return f"{name.upper() if variable else name}: {why}" if loc else why
 
 
 def _usable(database_url: str, *, serving: bool = False) -> None:
@@ -62,6 +71,15 @@ def _usable(database_url: str, *, serving: bool = False) -> None:
             check_sqlite_writable(database_url)
     except (DBAPIError, OSError, sqlite3.Error) as exc:
         raise unusable_database(database_url, exc=exc) from None
+
+
+def _prepare_database(database_url: str) -> None:
+    """Refuse a SQLite file another process serves (now, not in a traceback from the start of
+    the services), then upgrade the schema; raises ConfigError or ClickException."""
+    lock_file = serving_lock_file(database_url)
+    if lock_file is not None:
+        os.close(take_serving_lock(lock_file))
+    _usable(database_url, serving=True)
 
 
 def unusable_database(database_url: str, *, exc: BaseException) -> click.ClickException:
@@ -133,10 +151,7 @@ def serve(host: str, *, port: int) -> None:
     settings = _settings()
     try:
         app = create_app(settings)
-        lock_file = serving_lock_file(settings.database_url)
-        if lock_file is not None:  # say so now, not in a traceback from the app's start-up
-            os.close(take_serving_lock(lock_file))
-        _usable(settings.database_url, serving=True)
+        _prepare_database(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     config = uvicorn.Config(
@@ -171,13 +186,13 @@ def migrate() -> None:
 
 
 def _stop_as_ctrl_c() -> None:
-    """SIGTERM and SIGHUP stop the bench as Ctrl-C does, which cleans up (its server, its
-    PostgreSQL schema, its temp folder): whatever handles SIGINT then handles them (asyncio.run
-    cancels its task), or KeyboardInterrupt where SIGINT is ignored (a background job). A
-    signal ignored already (SIGHUP under nohup) stays ignored.
+    """SIGTERM and SIGHUP stop the command as Ctrl-C does, which cleans up (the bench's server,
+    PostgreSQL schema and temp folder; the step a turn is in): whatever handles SIGINT then
+    handles them (asyncio.run cancels its task), or KeyboardInterrupt where SIGINT is ignored
+    (a background job). A signal ignored already (SIGHUP under nohup) stays ignored.
 
     A KeyboardInterrupt raised while Python runs a finaliser or a weakref callback (garbage
-    collection) is printed and dropped ("Exception ignored in …"), and the bench went on to
+    collection) is printed and dropped ("Exception ignored in …"), and the command went on to
     its end: the signal is then sent again, to land once the callback has returned."""
 
     def stop(_signum: int, frame: FrameType | None) -> None:
@@ -258,3 +273,141 @@ def bench(
             database_url or "sqlite:///<temp folder>/bench.db", exc=exc
         ) from None
     click.echo(report.to_json() if as_json else render(report))
+
+
+@main.command()
+@click.argument("agent")
+@click.argument("message")
+@click.option(
+    "--session-id",
+    help="Store the turn in DATABASE_URL under this session, new or known (a known one is"
+    " resumed). Without it the turn is stateless and uses no database.",
+)
+@click.option("--user-id", help="The user a new session is bound to, or a known one serves.")
+@click.option("--tenant", help="Act for this tenant, as a key of API_KEYS would.")
+@click.option("--metadata", help="A JSON object, kept on the run (and on a new session).")
+@click.option("--idempotency-key", help="Names this turn of the session: a retry replays it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run as POST /v1/runs does.")
+def run(
+    agent: str,
+    *,
+    message: str,
+    session_id: str | None,
+    user_id: str | None,
+    tenant: str | None,
+    metadata: str | None,
+    idempotency_key: str | None,
+    as_json: bool,
+) -> None:
+    """Run one turn here, with no server, and print its answer.
+
+    AGENT answers MESSAGE ('-': standard input) through the services `serve` would build on
+    the same environment. Exits 0 if the run is complete, 1 otherwise."""
+    # Imported here, as in serve: the services load the anthropic SDK.
+    from app.main import run_turn
+
+    settings = _settings(quiet=True)
+    body, key = _turn(
+        agent=agent,
+        message=sys.stdin.read() if message == "-" else message,
+        session_id=session_id,
+        user_id=user_id,
+        metadata=metadata,
+        idempotency_key=idempotency_key,
+    )
+    if session_id is None:  # nothing is stored: no database to open, nor to share with a server
+        settings = settings.model_copy(update={"database_url": MEMORY_URL})
+    try:
+        _prepare_database(settings.database_url)
+        _stop_as_ctrl_c()
+        result = asyncio.run(run_turn(settings, body=body, tenant_id=tenant, idempotency_key=key))
+    except KeyboardInterrupt:
+        click.echo("stopped: every step the turn finished is stored", err=True)
+        sys.exit(130)  # as a shell reports a process ended by SIGINT
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except AppError as exc:  # refused, as the API would refuse it
+        raise click.ClickException(f"{exc.code}: {exc.detail}") from None
+    if as_json:
+        click.echo(result.run.model_dump_json(indent=2))
+    elif result.run.response:
+        click.echo(result.run.response)
+    if result.replayed:
+        click.echo(f"run {result.run.run_id}: replayed from its record", err=True)
+    if result.run.status.value != "complete":
+        error = result.run.error
+        why = f": {error.type}: {error.message}" if error is not None else ""
+        click.echo(f"run {result.run.run_id} ended {result.run.status.value}{why}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print them as JSON.")
+def tools(*, as_json: bool) -> None:
+    """Check the agents file and list its tools.
+
+    The file is AGENTS_FILE, or the built-in examples; each tool is listed with the agents
+    that use it. Exits 1, saying why, if the file would not serve."""
+    from app.main import load_agents  # as in serve: the app's modules load the anthropic SDK
+    from app.schemas.agents import ToolRead
+
+    settings = _settings(quiet=True)
+    try:
+        registry = load_agents(settings)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    users = {
+        name: [agent.name for agent in registry.agents.values() if name in agent.tools]
+        for name in registry.tools
+    }
+    if as_json:
+        listed = [
+            {**ToolRead.of(tool).model_dump(mode="json"), "agents": users[tool.name]}
+            for tool in registry.tools.values()
+        ]
+        click.echo(json.dumps(listed, indent=2))
+        return
+    rows = [("TOOL", "SAFE_TO_RETRY", "AGENTS", "DESCRIPTION")] + [
+        (t.name, "yes" if t.safe_to_retry else "no", ",".join(users[t.name]) or "-", t.description)
+        for t in registry.tools.values()
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        click.echo("  ".join([*cells, row[3]]))
+
+
+def _turn(
+    *,
+    agent: str,
+    message: str,
+    session_id: str | None,
+    user_id: str | None,
+    metadata: str | None,
+    idempotency_key: str | None,
+) -> tuple[RunCreate, str | None]:
+    """The turn `run` was asked for, checked as POST /v1/runs checks it; or a usage error."""
+    try:
+        fields: dict[str, Any] = {
+            "agent": agent,
+            "message": message,
+            "session_id": session_id,
+            "user_id": user_id,
+        }
+        if metadata is not None:
+            fields["metadata"] = json.loads(metadata)
+        body = RunCreate.model_validate({k: v for k, v in fields.items() if v is not None})
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--metadata") from None
+    except ValidationError as exc:
+        problems = "; ".join(_problem(e["loc"], msg=e["msg"], variable=False) for e in exc.errors())
+        raise click.UsageError(f"invalid turn: {problems}") from None
+    if idempotency_key is not None and not (
+        len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_LENGTH
+        and re.fullmatch(IDEMPOTENCY_KEY_PATTERN, idempotency_key)
+    ):
+        raise click.BadParameter(
+            f"1 to {IDEMPOTENCY_KEY_MAX_LENGTH} printable ASCII characters, no spaces",
+            param_hint="--idempotency-key",
+        )
+    return body, idempotency_key

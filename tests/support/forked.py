@@ -35,27 +35,57 @@ _CONTEXT.set_forkserver_preload(
 )
 
 
-def _serve(argv: list[str], env: dict[str, str], cwd: str | None, log_path: str) -> None:
-    """In the fork: become `agent-runner <argv>` run with exactly `env` in `cwd`."""
+def _serve(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    log_path: str,
+    errors_path: str,
+    stdin_path: str,
+) -> None:
+    """In the fork: become `agent-runner <argv>` run with exactly `env` in `cwd`, its
+    standard output to `log_path`, its errors to `errors_path`, its input from `stdin_path`."""
     os.environ.clear()
     os.environ.update(env)
     sys.path[:0] = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
     if cwd is not None:
         os.chdir(cwd)
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, log_path), (2, errors_path)):
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
+    stdin = os.open(stdin_path, os.O_RDONLY)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own)
     main(args=argv, prog_name="agent-runner")  # exits: SystemExit is the process's exit code
 
 
 class ForkedServer:
-    """`subprocess.Popen`'s interface (what `ServeProcess` uses) over a forked server."""
+    """`subprocess.Popen`'s interface (what `ServeProcess` uses) over a forked command: a
+    server, or another command of agent-runner. Its output goes to `log`, its errors there
+    too unless `errors` names another file; it reads `stdin` (default: nothing)."""
 
-    def __init__(self, argv: list[str], *, env: dict[str, str], cwd: Path | None, log: Path):
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: Path | None,
+        log: Path,
+        errors: Path | None = None,
+        stdin: Path | None = None,
+    ):
         self._process = _CONTEXT.Process(
             target=_serve,
-            args=(argv, env, None if cwd is None else str(cwd), str(log)),
+            args=(
+                argv,
+                env,
+                None if cwd is None else str(cwd),
+                str(log),
+                str(errors or log),
+                str(stdin or os.devnull),
+            ),
             name="agent-runner",
             daemon=True,  # a server a test leaves behind dies with its test process
         )

@@ -16,7 +16,14 @@ from tests.support.forked import ForkedServer
 
 AGENT_RUNNER = agent_runner_command()[0]
 
-__all__ = ["AGENT_RUNNER", "AgentsServer", "ServerProcess", "free_port", "server_port"]
+__all__ = [
+    "AGENT_RUNNER",
+    "AgentsServer",
+    "ServerProcess",
+    "command_env",
+    "free_port",
+    "server_port",
+]
 
 # A port is free when drawn but bound only once the server has started, seconds later: two
 # test processes (pytest-xdist workers, or two checkouts' suites) asking the kernel for any free
@@ -61,10 +68,35 @@ def server_port() -> int:
     raise RuntimeError("every port of this test process's block is in use")
 
 
+def command_env(
+    *,
+    database_url: str,
+    agents_file: Path | None = None,
+    model_url: str | None = None,
+    failpoints: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of an `agent-runner` command under test: the test's database, agents,
+    model and failpoints, and this environment less any ANTHROPIC_* or API_KEYS of the
+    developer's."""
+    inherited = {
+        k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "API_KEYS"))
+    }
+    return {
+        **inherited,
+        "DATABASE_URL": database_url,
+        "ANTHROPIC_API_KEY": "test-key",
+        "ANTHROPIC_MAX_RETRIES": "0",
+        **({"AGENTS_FILE": str(agents_file)} if agents_file else {}),
+        **({"ANTHROPIC_BASE_URL": model_url} if model_url else {}),
+        **({"FAILPOINTS": failpoints} if failpoints else {}),
+        **(env or {}),
+    }
+
+
 class ServerProcess(ServeProcess):
-    """A server on `database_url`, with the test model and agents, and this environment
-    less any ANTHROPIC_* or API_KEYS of the developer's: `agent-runner serve` forked from a
-    process that has imported it (tests/support/forked.py)."""
+    """A server on `database_url`, with the test model and agents (`command_env`):
+    `agent-runner serve` forked from a process that has imported it (tests/support/forked.py)."""
 
     def __init__(
         self,
@@ -77,20 +109,14 @@ class ServerProcess(ServeProcess):
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
     ) -> None:
-        inherited = {
-            k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "API_KEYS"))
-        }
         super().__init__(
-            env={
-                **inherited,
-                "DATABASE_URL": database_url,
-                "ANTHROPIC_API_KEY": "test-key",
-                "ANTHROPIC_MAX_RETRIES": "0",
-                **({"AGENTS_FILE": str(agents_file)} if agents_file else {}),
-                **({"ANTHROPIC_BASE_URL": model_url} if model_url else {}),
-                **({"FAILPOINTS": failpoints} if failpoints else {}),
-                **(env or {}),
-            },
+            env=command_env(
+                database_url=database_url,
+                agents_file=agents_file,
+                model_url=model_url,
+                failpoints=failpoints,
+                env=env,
+            ),
             log_path=log_path,
             cwd=cwd,
             port=server_port(),

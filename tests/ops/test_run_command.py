@@ -1,0 +1,289 @@
+"""`agent-runner run` and `agent-runner tools`: a turn without a server, on the same store a
+server uses, and the agents file checked and listed. Each command is a real process (forked
+from one that imported the service, as the test servers are: tests/support/forked.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.crash.support import (
+    FAILPOINT_EXIT,
+    Json,
+    assert_durability_error,
+    assert_history_consistent,
+    assert_real_issue,
+    get_json,
+    list_messages,
+    result_of,
+)
+from tests.support.agents import write_agents_file
+from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.forked import ForkedServer
+from tests.support.server import AGENT_RUNNER, AgentsServer, command_env
+from tests.support.tool_server import ToolServer
+
+SESSION = "cli-1"
+# What does not depend on the store runs on one; the crash test runs on both.
+ONLY_SQLITE = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a command printed, and how it exited."""
+
+    code: int
+    out: str
+    err: str
+
+    def run(self) -> Json:
+        """The run `--json` printed."""
+        assert self.code == 0, self
+        run: Json = json.loads(self.out)
+        return run
+
+
+@dataclass
+class Commands:
+    """`agent-runner` commands of the test agents on one database, in the test's folder."""
+
+    tmp_path: Path
+    env: dict[str, str]
+
+    def start(self, *argv: str, env: dict[str, str] | None = None, stdin: str = "") -> Running:
+        """Start `agent-runner <argv>`."""
+        label = uuid.uuid4().hex[:8]
+        out, err, given = (self.tmp_path / f"{label}.{kind}" for kind in ("out", "err", "in"))
+        given.write_text(stdin)
+        process = ForkedServer(
+            list(argv),
+            env={**self.env, **(env or {})},
+            cwd=self.tmp_path,
+            log=out,
+            errors=err,
+            stdin=given,
+        )
+        return Running(process, out=out, err=err)
+
+    def __call__(self, *argv: str, env: dict[str, str] | None = None, stdin: str = "") -> Finished:
+        """Run `agent-runner <argv>` to its end."""
+        return self.start(*argv, env=env, stdin=stdin).finish()
+
+
+@dataclass
+class Running:
+    """A command that was started."""
+
+    process: ForkedServer
+    out: Path
+    err: Path
+
+    def finish(self, timeout: float = 120) -> Finished:
+        """Wait for its end."""
+        code = self.process.wait(timeout)
+        return Finished(code, self.out.read_text(), self.err.read_text())
+
+
+@pytest.fixture
+def commands(
+    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> Commands:
+    """Commands of the test agents on the test's database."""
+    env = command_env(
+        database_url=database_url,
+        agents_file=write_agents_file(tmp_path, tool_server.url),
+        model_url=fake_model.url,
+        env={"LOG_FORMAT": "text"},
+    )
+    return Commands(tmp_path, env)
+
+
+@pytest.mark.crash
+def test_run_resumes_a_session_its_crash_cut_off_without_repeating_a_side_effect(
+    commands: Commands, database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    turn = ("run", "triage", "triage issue 42", "--session-id", SESSION, "--idempotency-key", "t")
+    crashed = commands(*turn, env={"FAILPOINTS": "after-handlers"})
+    assert crashed.code == FAILPOINT_EXIT, crashed
+    assert crashed.out == ""
+    assert (tool_server.count("get_issue"), tool_server.count("post_slack")) == (1, 1)
+
+    run = commands(*turn, "--json").run()  # the same key: the turn goes on under its run_id
+    assert run["status"] == "complete", run
+    assert f"run_id={run['run_id']}" in crashed.err  # the failpoint's log line names it
+    assert tool_server.count("post_slack") == 1  # not run again: the model was told instead
+    assert tool_server.count("get_issue") == 2  # safe_to_retry: run again for its real result
+
+    # The same store as a server's: it reads what the command wrote, as the command wrote it.
+    with agents_server(database_url=database_url) as server, server.client() as client:
+        history = list_messages(client, SESSION)
+        assert get_json(client, f"/v1/runs/{run['run_id']}") == run
+        runs = get_json(client, f"/v1/sessions/{SESSION}/runs")["data"]
+    assert_history_consistent(history)
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "tool", "assistant"]
+    calls = {call["name"]: call for call in history[1]["tool_calls"]}
+    assert_durability_error(result_of(history, calls["post_slack"]["id"]), calls["post_slack"])
+    assert_real_issue(result_of(history, calls["get_issue"]["id"]), calls["get_issue"])
+    assert [r["run_id"] for r in runs] == [run["run_id"]]
+
+
+def test_run_answers_a_stateless_turn_and_stores_nothing(
+    tmp_path: Path, fake_model: FakeAnthropic
+) -> None:
+    database = tmp_path / "never" / "made.db"
+    env = command_env(database_url=f"sqlite:///{database}", model_url=fake_model.url)
+    # The installed command itself (the other tests fork its entry point, as the servers do).
+    given = subprocess.run(
+        [AGENT_RUNNER, "run", "echo", "-"],
+        input="hello from stdin",
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (given.returncode, given.stdout, given.stderr) == (0, "echo: hello from stdin\n", "")
+    assert not database.parent.exists()  # stateless: no database was opened
+
+
+@ONLY_SQLITE
+def test_run_refuses_what_the_api_refuses_in_one_line(commands: Commands) -> None:
+    cases = [
+        (("nope", "hi"), {}, 1, "Error: agent_not_found: No agent named 'nope'."),
+        (("echo", "hi", "--session-id", "no spaces"), {}, 2, "invalid turn: session_id: "),
+        (("echo", " \n"), {}, 2, "invalid turn: message: must contain a character other"),
+        (("echo", "hi", "--metadata", "[1]"), {}, 2, "invalid turn: metadata: "),
+        (("echo", "hi", "--metadata", "{x"), {}, 2, "Invalid value for --metadata: not JSON"),
+        (("echo", "hi", "--idempotency-key", "a b"), {}, 2, "--idempotency-key: 1 to 255"),
+        (("echo", "hi", "--idempotency-key", "k"), {}, 1, "Error: validation_error: "),
+        (
+            ("echo", "hi", "--session-id", SESSION),
+            {"DATABASE_URL": "memory://"},
+            1,
+            "Error: memory_store_not_durable: ",
+        ),
+        (("echo", "hi"), {"FAILPOINTS": "nowhere"}, 1, "FAILPOINTS"),
+    ]
+    for argv, env, code, says in cases:
+        done = commands("run", *argv, env=env)
+        assert (done.code, done.out) == (code, ""), (argv, done)
+        assert says in done.err, (argv, done)
+        assert "Traceback" not in done.err, (argv, done)
+
+
+@ONLY_SQLITE
+def test_run_says_how_a_run_that_did_not_complete_ended(commands: Commands) -> None:
+    done = commands("run", "broken-model", "hi")
+    assert (done.code, done.out) == (1, ""), done
+    (line,) = [line for line in done.err.splitlines() if line.startswith("run ")]
+    assert " ended error: api_error: Model API error 500 (api_error)" in line, line
+    as_json = commands("run", "broken-model", "hi", "--json")
+    assert as_json.code == 1
+    run = json.loads(as_json.out)
+    assert (run["status"], run["error"]["type"], run["session_id"]) == ("error", "api_error", None)
+
+
+@ONLY_SQLITE
+def test_run_keyed_turn_replays_its_record(commands: Commands, fake_model: FakeAnthropic) -> None:
+    argv = ("run", "triage", "triage issue 7", "--session-id", SESSION, "--idempotency-key", "t1")
+    first = commands(*argv, "--json")
+    calls = len(fake_model.requests)
+    again = commands(*argv, "--json")
+    assert again.run() == first.run()
+    assert "replayed from its record" in again.err
+    assert len(fake_model.requests) == calls  # answered from the store, no model call
+
+    changed = commands(*argv[:2], "triage issue 8", *argv[3:])
+    assert changed.code == 1
+    assert "Error: idempotency_key_reused: " in changed.err
+
+
+@ONLY_SQLITE
+def test_run_acts_for_a_tenant_and_a_user_as_the_api_does(
+    commands: Commands, database_url: str, agents_server: AgentsServer
+) -> None:
+    with (
+        agents_server(database_url=database_url, env={"API_KEYS": "k1:acme"}) as server,
+        server.client() as client,
+    ):
+        body = {"agent": "echo", "message": "one", "session_id": SESSION, "user_id": "ann"}
+        created = client.post("/v1/runs", json=body, headers={"Authorization": "Bearer k1"})
+        assert created.status_code == 200, created.text
+    ann = ("run", "echo", "two", "--session-id", SESSION, "--user-id", "ann")
+    assert "session_not_found" in commands(*ann).err  # another tenant's: it does not exist
+    other = commands(*ann[:-1], "bob", "--tenant", "acme")
+    assert (other.code, "session_access_denied" in other.err) == (1, True), other
+    done = commands(*ann, "--tenant", "acme")
+    assert (done.code, done.out) == (0, "echo: two\n"), done
+
+
+@ONLY_SQLITE
+def test_run_refuses_a_sqlite_file_a_server_serves(
+    commands: Commands, database_url: str, agents_server: AgentsServer
+) -> None:
+    with agents_server(database_url=database_url):
+        refused = commands("run", "echo", "hi", "--session-id", SESSION)
+        assert refused.code == 1
+        assert "another process is serving this SQLite database" in refused.err
+        assert "Traceback" not in refused.err
+        stateless = commands("run", "echo", "hi")  # stores nothing: no file to share
+        assert (stateless.code, stateless.out) == (0, "echo: hi\n"), stateless
+
+
+@ONLY_SQLITE
+def test_run_stopped_by_sigterm_finishes_its_step_first(
+    commands: Commands, database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    running = commands.start("run", "slow", "post it", "--session-id", SESSION)
+    assert tool_server.in_flight.wait(timeout=60), running
+    running.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert running.process.poll() is None  # the step's call is still in flight
+    tool_server.release()
+    done = running.finish()
+    assert done.code == 130, done
+    assert "stopped: every step the turn finished is stored" in done.err
+    with agents_server(database_url=database_url) as server, server.client() as client:
+        history = list_messages(client, SESSION)
+    assert_history_consistent(history)  # the step's results were stored: nothing to repair
+    (call,) = [c for c in history[1]["tool_calls"] if c["name"] == "slow_post"]
+    assert json.loads(result_of(history, call["id"])["content"]) == {"ok": True}  # its own
+    assert tool_server.count("slow_post") == 1
+
+
+@ONLY_SQLITE
+def test_tools_lists_the_agents_files_tools_and_who_uses_them(commands: Commands) -> None:
+    listed = commands("tools", "--json")
+    assert listed.code == 0, listed
+    tools = {tool["name"]: tool for tool in json.loads(listed.out)}
+    assert tools["post_slack"]["safe_to_retry"] is False
+    assert tools["get_issue"]["safe_to_retry"] is True
+    assert tools["post_slack"]["input_schema"]["required"] == ["channel", "text"]
+    assert "triage" in tools["post_slack"]["agents"]
+    assert "cut-off" in tools["post_slack"]["agents"]
+    table = commands("tools").out.splitlines()
+    assert table[0].split() == ["TOOL", "SAFE_TO_RETRY", "AGENTS", "DESCRIPTION"]
+    assert len(table) == 1 + len(tools)
+    row = next(line.split(maxsplit=3) for line in table if line.startswith("get_issue "))
+    assert row[1] == "yes"
+    assert row[3] == "Fetch an issue by id"
+
+
+@ONLY_SQLITE
+def test_tools_refuses_a_broken_agents_file_naming_the_problem(
+    commands: Commands, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tools: {}\nagents:\n  a: {model: 'scripted:echo', tools: [missing]}\n")
+    done = commands("tools", env={"AGENTS_FILE": str(broken)})
+    assert (done.code, done.out) == (1, "")
+    assert f"{broken}: agent 'a': unknown tool 'missing'" in done.err
+    assert "Traceback" not in done.err

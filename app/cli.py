@@ -7,14 +7,13 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import sqlite3
 import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncpg
 import click
@@ -26,9 +25,8 @@ from typing_extensions import override
 from app.db.migrate import upgrade
 from app.db.session import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
-from app.errors import AppError, ConfigError
+from app.errors import AppError, ConfigError, SqliteFileBusy
 from app.logs import configure_logging
-from app.schemas.runs import IDEMPOTENCY_KEY_MAX_LENGTH, IDEMPOTENCY_KEY_PATTERN, RunCreate
 from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings, load_env_file
 
@@ -186,13 +184,13 @@ def migrate() -> None:
 
 
 def _stop_as_ctrl_c() -> None:
-    """SIGTERM and SIGHUP stop the command as Ctrl-C does, which cleans up (the bench's server,
-    PostgreSQL schema and temp folder; the step a turn is in): whatever handles SIGINT then
-    handles them (asyncio.run cancels its task), or KeyboardInterrupt where SIGINT is ignored
-    (a background job). A signal ignored already (SIGHUP under nohup) stays ignored.
+    """SIGTERM and SIGHUP stop the bench as Ctrl-C does, which cleans up (its server, its
+    PostgreSQL schema, its temp folder): whatever handles SIGINT then handles them (asyncio.run
+    cancels its task), or KeyboardInterrupt where SIGINT is ignored (a background job). A
+    signal ignored already (SIGHUP under nohup) stays ignored.
 
     A KeyboardInterrupt raised while Python runs a finaliser or a weakref callback (garbage
-    collection) is printed and dropped ("Exception ignored in …"), and the command went on to
+    collection) is printed and dropped ("Exception ignored in …"), and the bench went on to
     its end: the signal is then sent again, to land once the callback has returned."""
 
     def stop(_signum: int, frame: FrameType | None) -> None:
@@ -301,44 +299,50 @@ def run(
 ) -> None:
     """Run one turn here, with no server, and print its answer.
 
-    AGENT answers MESSAGE ('-': standard input) through the services `serve` would build on
-    the same environment. Exits 0 if the run is complete, 1 otherwise."""
+    AGENT answers MESSAGE ('-': standard input, less its last newline) through the services
+    `serve` would build on the same environment. Exits 0 if the run is complete; 1 if it
+    ended otherwise or was refused; 2 for invalid options (what the API refuses as invalid
+    too); 128 + N when signal N stopped it."""
     # Imported here, as in serve: the services load the anthropic SDK.
-    from app.main import run_turn
+    from app.cli_run import Stops, checked_turn, print_run, run_turn, stopped
 
     settings = _settings(quiet=True)
-    body, key = _turn(
-        agent=agent,
-        message=sys.stdin.read() if message == "-" else message,
-        session_id=session_id,
-        user_id=user_id,
-        metadata=metadata,
-        idempotency_key=idempotency_key,
-    )
-    if session_id is None:  # nothing is stored: no database to open, nor to share with a server
-        settings = settings.model_copy(update={"database_url": MEMORY_URL})
+    stops = Stops()
+    if message == "-":
+        try:
+            message = sys.stdin.read().removesuffix("\n").removesuffix("\r")
+        except KeyboardInterrupt:
+            sys.exit(128 + signal.SIGINT)  # nothing began
     try:
+        turn = checked_turn(
+            settings,
+            fields={
+                "agent": agent,
+                "message": message,
+                "session_id": session_id,
+                "user_id": user_id,
+            },
+            metadata=metadata,
+            idempotency_key=idempotency_key,
+            tenant=tenant,
+        )
+        if session_id is None:  # stores nothing: no database to open, nor to share with a server
+            settings = settings.model_copy(update={"database_url": MEMORY_URL})
         _prepare_database(settings.database_url)
-        _stop_as_ctrl_c()
-        result = asyncio.run(run_turn(settings, body=body, tenant_id=tenant, idempotency_key=key))
-    except KeyboardInterrupt:
-        click.echo("stopped: every step the turn finished is stored", err=True)
-        sys.exit(130)  # as a shell reports a process ended by SIGINT
+        result = asyncio.run(run_turn(settings, turn=turn, stops=stops))
+    except asyncio.CancelledError:
+        stopped(stops, turn=turn)
+    except SqliteFileBusy as exc:
+        raise click.ClickException(
+            f"another process is using this SQLite database (it holds {exc.lock_file}): send"
+            " the turn to the server that serves it, or run it once the other `run` has ended"
+        ) from None
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except AppError as exc:  # refused, as the API would refuse it
-        raise click.ClickException(f"{exc.code}: {exc.detail}") from None
-    if as_json:
-        click.echo(result.run.model_dump_json(indent=2))
-    elif result.run.response:
-        click.echo(result.run.response)
-    if result.replayed:
-        click.echo(f"run {result.run.run_id}: replayed from its record", err=True)
-    if result.run.status.value != "complete":
-        error = result.run.error
-        why = f": {error.type}: {error.message}" if error is not None else ""
-        click.echo(f"run {result.run.run_id} ended {result.run.status.value}{why}", err=True)
-        sys.exit(1)
+        extra = "".join(f"; {name}: {value}" for name, value in exc.extra.items() if value)
+        raise click.ClickException(f"{exc.code}: {exc.detail}{extra}") from None
+    print_run(result, as_json=as_json)
 
 
 @main.command()
@@ -368,46 +372,15 @@ def tools(*, as_json: bool) -> None:
         click.echo(json.dumps(listed, indent=2))
         return
     rows = [("TOOL", "SAFE_TO_RETRY", "AGENTS", "DESCRIPTION")] + [
-        (t.name, "yes" if t.safe_to_retry else "no", ",".join(users[t.name]) or "-", t.description)
+        (
+            t.name,
+            "yes" if t.safe_to_retry else "no",
+            ",".join(users[t.name]) or "-",
+            " ".join(t.description.split()),  # one line per tool
+        )
         for t in registry.tools.values()
     ]
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         click.echo("  ".join([*cells, row[3]]))
-
-
-def _turn(
-    *,
-    agent: str,
-    message: str,
-    session_id: str | None,
-    user_id: str | None,
-    metadata: str | None,
-    idempotency_key: str | None,
-) -> tuple[RunCreate, str | None]:
-    """The turn `run` was asked for, checked as POST /v1/runs checks it; or a usage error."""
-    try:
-        fields: dict[str, Any] = {
-            "agent": agent,
-            "message": message,
-            "session_id": session_id,
-            "user_id": user_id,
-        }
-        if metadata is not None:
-            fields["metadata"] = json.loads(metadata)
-        body = RunCreate.model_validate({k: v for k, v in fields.items() if v is not None})
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--metadata") from None
-    except ValidationError as exc:
-        problems = "; ".join(_problem(e["loc"], msg=e["msg"], variable=False) for e in exc.errors())
-        raise click.UsageError(f"invalid turn: {problems}") from None
-    if idempotency_key is not None and not (
-        len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_LENGTH
-        and re.fullmatch(IDEMPOTENCY_KEY_PATTERN, idempotency_key)
-    ):
-        raise click.BadParameter(
-            f"1 to {IDEMPOTENCY_KEY_MAX_LENGTH} printable ASCII characters, no spaces",
-            param_hint="--idempotency-key",
-        )
-    return body, idempotency_key

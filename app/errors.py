@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from typing_extensions import override
@@ -199,6 +200,17 @@ class SchemaOutOfDate(Unavailable):
 
 class ConfigError(Exception):
     """The agents file or another configuration input is invalid (raised at start)."""
+
+
+class SqliteFileBusy(ConfigError):
+    """Another process holds the SQLite file's lock: it serves the file (or runs a turn on it)."""
+
+    def __init__(self, lock_file: Path) -> None:
+        super().__init__(
+            f"another process is serving this SQLite database (it holds {lock_file});"
+            " a SQLite file is served by one process: run replicas on PostgreSQL"
+        )
+        self.lock_file = lock_file
 
 
 class IdempotencyKeyReused(AppError):

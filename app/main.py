@@ -25,12 +25,11 @@ from app.llm.router import ModelRouter
 from app.llm.scripted import unknown_script
 from app.logs import AccessLog
 from app.metrics import Metrics
-from app.schemas.runs import RunCreate
 from app.services.health import HealthService
 from app.services.ownership import LocalOwnership, Ownership, serving_lock_file
 from app.services.pg_ownership import PostgresOwnership
 from app.services.runner import AgentRunner
-from app.services.runs import RunResult, RunService
+from app.services.runs import RunService
 from app.services.sessions import SessionService
 from app.settings import Settings
 from app.tools.agents_file import load_registry
@@ -122,23 +121,6 @@ async def open_services(
             health=HealthService(db, ownership, head_revision() if db.durable else None),
             metrics=metrics,
             lifecycle=lifecycle,
-        )
-
-
-async def run_turn(
-    settings: Settings, *, body: RunCreate, tenant_id: str | None, idempotency_key: str | None
-) -> RunResult:
-    """One turn, as POST /v1/runs would run it on a server of these settings (`agent-runner
-    run`); raises what the service raises."""
-    async with open_services(
-        settings,
-        registry=load_agents(settings),
-        failpoints=Failpoints.parse(settings.failpoints),
-        metrics=Metrics(),
-        lifecycle=Lifecycle(),
-    ) as services:
-        return await services.runs.create(
-            body, tenant_id=tenant_id, idempotency_key=idempotency_key
         )
 
 

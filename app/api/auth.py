@@ -33,6 +33,11 @@ class ApiKeys:
             keys[key] = tenant
         return cls(keys)
 
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants the keys are for."""
+        return frozenset(tenant for _, tenant in self._digests)
+
     def tenant(self, token: str | None) -> str:
         """The tenant of the bearer token (`Authorization: Bearer <key>`), or Unauthorized."""
         if token is None or not token.strip():

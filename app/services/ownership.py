@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from typing_extensions import override
 
 from app.db.urls import sqlite_file
-from app.errors import ConfigError, SessionBusy
+from app.errors import ConfigError, SessionBusy, SqliteFileBusy
 
 
 @dataclass
@@ -163,7 +163,8 @@ def serving_lock_file(database_url: str) -> Path | None:
 
 
 def take_serving_lock(lock_file: Path) -> int:
-    """Lock the file for this process (an fd to keep open), or ConfigError if another has it."""
+    """Lock the file for this process (an fd to keep open); SqliteFileBusy if another has it,
+    ConfigError if it cannot be made."""
     try:
         # As `migrate` does: the database's folder is made if missing.
         lock_file.parent.mkdir(parents=True, exist_ok=True)
@@ -176,10 +177,7 @@ def take_serving_lock(lock_file: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(
-            f"another process is serving this SQLite database (it holds {lock_file});"
-            " a SQLite file is served by one process: run replicas on PostgreSQL"
-        ) from None
+        raise SqliteFileBusy(lock_file) from None
     return fd
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def test_run_answers_a_stateless_turn_and_stores_nothing(
     # The installed command itself (the other tests fork its entry point, as the servers do).
     given = subprocess.run(
         [AGENT_RUNNER, "run", "echo", "-"],
-        input="hello from stdin",
+        input="hello from stdin\n",  # as `echo` sends it: the last newline is not the message
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -156,14 +157,25 @@ def test_run_answers_a_stateless_turn_and_stores_nothing(
 
 @ONLY_SQLITE
 def test_run_refuses_what_the_api_refuses_in_one_line(commands: Commands) -> None:
+    deep = "[" * 30_000 + "]" * 30_000
+    big = "x" * (1024 * 1024)
     cases = [
+        # What the API refuses as invalid (422, 413) is an invalid option here: exit 2.
+        (("echo", "hi", "--session-id", "no spaces"), {}, 2, "validation_error: session_id: "),
+        (("echo", " \n"), {}, 2, "validation_error: message: must contain a character other"),
+        (("echo", "hi", "--metadata", "[1]"), {}, 2, "validation_error: metadata: "),
+        (("echo", "hi", "--metadata", "{x"), {}, 2, "validation_error: metadata: not valid JSON"),
+        (("echo", "hi", "--metadata", deep), {}, 2, "not valid JSON (nests too deeply to read)"),
+        (("echo", big), {}, 2, "payload_too_large: as a POST /v1/runs body the turn is 1048"),
+        (("echo", "hi", "--idempotency-key", "k"), {}, 2, "names a turn of a session"),
+        (
+            ("echo", "hi", "--session-id", SESSION, "--idempotency-key", "a b"),
+            {},
+            2,
+            "--idempotency-key: 1 to 255 printable ASCII characters",
+        ),
+        # What the service refuses: its code, exit 1.
         (("nope", "hi"), {}, 1, "Error: agent_not_found: No agent named 'nope'."),
-        (("echo", "hi", "--session-id", "no spaces"), {}, 2, "invalid turn: session_id: "),
-        (("echo", " \n"), {}, 2, "invalid turn: message: must contain a character other"),
-        (("echo", "hi", "--metadata", "[1]"), {}, 2, "invalid turn: metadata: "),
-        (("echo", "hi", "--metadata", "{x"), {}, 2, "Invalid value for --metadata: not JSON"),
-        (("echo", "hi", "--idempotency-key", "a b"), {}, 2, "--idempotency-key: 1 to 255"),
-        (("echo", "hi", "--idempotency-key", "k"), {}, 1, "Error: validation_error: "),
         (
             ("echo", "hi", "--session-id", SESSION),
             {"DATABASE_URL": "memory://"},
@@ -171,12 +183,13 @@ def test_run_refuses_what_the_api_refuses_in_one_line(commands: Commands) -> Non
             "Error: memory_store_not_durable: ",
         ),
         (("echo", "hi"), {"FAILPOINTS": "nowhere"}, 1, "FAILPOINTS"),
+        (("echo", "hi"), {"API_KEYS": "garbage"}, 1, "API_KEYS: entry 1 is not key:tenant"),
     ]
     for argv, env, code, says in cases:
         done = commands("run", *argv, env=env)
-        assert (done.code, done.out) == (code, ""), (argv, done)
-        assert says in done.err, (argv, done)
-        assert "Traceback" not in done.err, (argv, done)
+        assert (done.code, done.out) == (code, ""), (argv[:4], done.err)
+        assert says in done.err, (argv[:4], done.err)
+        assert "Traceback" not in done.err, (argv[:4], done.err)
 
 
 @ONLY_SQLITE
@@ -210,18 +223,24 @@ def test_run_keyed_turn_replays_its_record(commands: Commands, fake_model: FakeA
 def test_run_acts_for_a_tenant_and_a_user_as_the_api_does(
     commands: Commands, database_url: str, agents_server: AgentsServer
 ) -> None:
-    with (
-        agents_server(database_url=database_url, env={"API_KEYS": "k1:acme"}) as server,
-        server.client() as client,
-    ):
+    keys = {"API_KEYS": "k1:acme,k2:other"}
+    with agents_server(database_url=database_url, env=keys) as server, server.client() as client:
         body = {"agent": "echo", "message": "one", "session_id": SESSION, "user_id": "ann"}
         created = client.post("/v1/runs", json=body, headers={"Authorization": "Bearer k1"})
         assert created.status_code == 200, created.text
     ann = ("run", "echo", "two", "--session-id", SESSION, "--user-id", "ann")
-    assert "session_not_found" in commands(*ann).err  # another tenant's: it does not exist
-    other = commands(*ann[:-1], "bob", "--tenant", "acme")
+    refusals = [
+        ((), keys, 2, "API_KEYS is set: name the tenant to act for with --tenant"),
+        (("--tenant", "nosuch"), keys, 2, "--tenant: no key of API_KEYS is for tenant 'nosuch'"),
+        (("--tenant", "acme"), {}, 2, "--tenant: API_KEYS is unset"),
+        (("--tenant", "other"), keys, 1, "session_not_found"),  # another tenant's: not there
+    ]
+    for options, env, code, says in refusals:
+        done = commands(*ann, *options, env=env)
+        assert (done.code, says in done.err) == (code, True), (options, done)
+    other = commands(*ann[:-1], "bob", "--tenant", "acme", env=keys)
     assert (other.code, "session_access_denied" in other.err) == (1, True), other
-    done = commands(*ann, "--tenant", "acme")
+    done = commands(*ann, "--tenant", "acme", env=keys)
     assert (done.code, done.out) == (0, "echo: two\n"), done
 
 
@@ -232,31 +251,90 @@ def test_run_refuses_a_sqlite_file_a_server_serves(
     with agents_server(database_url=database_url):
         refused = commands("run", "echo", "hi", "--session-id", SESSION)
         assert refused.code == 1
-        assert "another process is serving this SQLite database" in refused.err
+        assert "another process is using this SQLite database" in refused.err
+        assert "send the turn to the server that serves it" in refused.err
         assert "Traceback" not in refused.err
         stateless = commands("run", "echo", "hi")  # stores nothing: no file to share
         assert (stateless.code, stateless.out) == (0, "echo: hi\n"), stateless
 
 
 @ONLY_SQLITE
-def test_run_stopped_by_sigterm_finishes_its_step_first(
+def test_run_stopped_by_sigterm_finishes_its_step_first_even_as_a_background_job(
     commands: Commands, database_url: str, tool_server: ToolServer, agents_server: AgentsServer
 ) -> None:
-    running = commands.start("run", "slow", "post it", "--session-id", SESSION)
-    assert tool_server.in_flight.wait(timeout=60), running
-    running.process.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert running.process.poll() is None  # the step's call is still in flight
-    tool_server.release()
-    done = running.finish()
-    assert done.code == 130, done
-    assert "stopped: every step the turn finished is stored" in done.err
+    # The installed command, started as a shell starts `cmd &`: with SIGINT ignored.
+    running = subprocess.Popen(
+        [AGENT_RUNNER, "run", "slow", "post it", "--session-id", SESSION],
+        env=commands.env,
+        cwd=commands.tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert tool_server.in_flight.wait(timeout=60)
+        running.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert running.poll() is None  # the step's call is still in flight: it waits for it
+        tool_server.release()
+        out, err = running.communicate(timeout=60)
+    finally:
+        running.kill()
+    assert (running.returncode, out) == (128 + signal.SIGTERM, ""), err
+    assert "stopped by SIGTERM: every step the turn began is stored" in err
     with agents_server(database_url=database_url) as server, server.client() as client:
         history = list_messages(client, SESSION)
+        status = get_json(client, f"/v1/sessions/{SESSION}")["status"]
     assert_history_consistent(history)  # the step's results were stored: nothing to repair
+    assert status == "idle"
     (call,) = [c for c in history[1]["tool_calls"] if c["name"] == "slow_post"]
     assert json.loads(result_of(history, call["id"])["content"]) == {"ok": True}  # its own
     assert tool_server.count("slow_post") == 1
+
+
+@ONLY_SQLITE
+def test_run_stopped_by_a_second_signal_stops_at_once_and_resumes_safely(
+    commands: Commands, tool_server: ToolServer
+) -> None:
+    turn = ("run", "slow", "post it", "--session-id", SESSION, "--idempotency-key", "t")
+    running = commands.start(*turn)
+    assert tool_server.in_flight.wait(timeout=60), running
+    running.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    running.process.send_signal(signal.SIGINT)
+    done = running.finish(timeout=30)  # the call is still held: it did not wait for it
+    assert done.code == 128 + signal.SIGTERM, done
+    assert "stopped at once by a second signal" in done.err
+    tool_server.release()
+    resumed = commands(*turn, "--json").run()
+    assert resumed["status"] == "complete"
+    (call,) = [c for m in resumed["messages"] for c in m["tool_calls"] if c["name"] == "slow_post"]
+    assert tool_server.count("slow_post") == 1  # its result was lost, and it did not run again
+    assert tool_server.per_call("slow_post") == {call["id"]: 1}
+    assert_durability_error(result_of(resumed["messages"], call["id"]), call)
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_run_meets_a_servers_turn_on_postgresql_as_another_replica_would(
+    commands: Commands, database_url: str, tool_server: ToolServer, agents_server: AgentsServer
+) -> None:
+    with (
+        agents_server(database_url=database_url) as server,
+        server.client() as client,
+        ThreadPoolExecutor(max_workers=1) as pool,
+    ):
+        body = {"agent": "slow", "message": "post it", "session_id": SESSION}
+        pending = pool.submit(client.post, "/v1/runs", json=body)
+        assert tool_server.in_flight.wait(timeout=60)
+        (held,) = get_json(client, f"/v1/sessions/{SESSION}/runs")["data"]
+        busy = commands("run", "slow", "post it", "--session-id", SESSION)
+        tool_server.release()
+        assert pending.result(timeout=60).status_code == 200
+    assert (busy.code, busy.out) == (1, ""), busy
+    assert f"session_busy: Session {SESSION!r} has a run in progress" in busy.err
+    assert f"active_run_id: {held['run_id']}" in busy.err
+    assert tool_server.count("slow_post") == 1  # the refused turn ran nothing
 
 
 @ONLY_SQLITE
@@ -275,6 +353,14 @@ def test_tools_lists_the_agents_files_tools_and_who_uses_them(commands: Commands
     row = next(line.split(maxsplit=3) for line in table if line.startswith("get_issue "))
     assert row[1] == "yes"
     assert row[3] == "Fetch an issue by id"
+
+    lines = commands.tmp_path / "lines.yaml"
+    lines.write_text(
+        'tools:\n  t: {description: "two\\n lines,\\ta tab", python: "app.tools.builtin:clock"}\n'
+        "agents:\n  a: {model: 'scripted:echo', tools: [t]}\n"
+    )
+    one_line = commands("tools", env={"AGENTS_FILE": str(lines)}).out.splitlines()
+    assert one_line[1].split(maxsplit=3) == ["t", "no", "a", "two lines, a tab"]
 
 
 @ONLY_SQLITE

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("app.cli")
 
+# What stops `run` when not ignored already (SIGHUP: the terminal went away).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 def _settings(*, quiet: bool = False) -> Settings:
     """The environment's settings, logging configured by them; `quiet`: warnings and errors
@@ -273,6 +276,20 @@ def bench(
     click.echo(report.to_json() if as_json else render(report))
 
 
+def _stop_before_the_turn() -> None:
+    """Until the turn's own handlers take over (app.cli_run.run_turn), a stop signal ends
+    `run` at once, as a shell reports that signal: nothing of the turn has begun. Set first,
+    before the service's modules load (seconds)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        click.echo(f"stopped by {signal.Signals(signum).name} before the turn began", err=True)
+        sys.exit(128 + signum)
+
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, stop)
+
+
 @main.command()
 @click.argument("agent")
 @click.argument("message")
@@ -303,16 +320,21 @@ def run(
     `serve` would build on the same environment. Exits 0 if the run is complete; 1 if it
     ended otherwise or was refused; 2 for invalid options (what the API refuses as invalid
     too); 128 + N when signal N stopped it."""
+    _stop_before_the_turn()
     # Imported here, as in serve: the services load the anthropic SDK.
-    from app.cli_run import Stops, checked_turn, print_run, run_turn, stopped
+    from app.cli_run import (
+        Stops,
+        checked_turn,
+        print_run,
+        run_turn,
+        stopped,
+        without_last_newline,
+    )
 
     settings = _settings(quiet=True)
     stops = Stops()
     if message == "-":
-        try:
-            message = sys.stdin.read().removesuffix("\n").removesuffix("\r")
-        except KeyboardInterrupt:
-            sys.exit(128 + signal.SIGINT)  # nothing began
+        message = without_last_newline(sys.stdin.read())
     try:
         turn = checked_turn(
             settings,
@@ -340,7 +362,7 @@ def run(
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except AppError as exc:  # refused, as the API would refuse it
-        extra = "".join(f"; {name}: {value}" for name, value in exc.extra.items() if value)
+        extra = "".join(f" ({name}: {value})" for name, value in exc.extra.items() if value)
         raise click.ClickException(f"{exc.code}: {exc.detail}{extra}") from None
     print_run(result, as_json=as_json)
 

@@ -22,15 +22,13 @@ from pydantic import ValidationError
 from app.api.auth import ApiKeys
 from app.api.deps import Lifecycle
 from app.api.limits import MAX_BODY_BYTES
+from app.cli import STOP_SIGNALS
 from app.failpoints import Failpoints
 from app.main import load_agents, open_services
 from app.metrics import Metrics
 from app.schemas.runs import IDEMPOTENCY_KEY_MAX_LENGTH, IDEMPOTENCY_KEY_PATTERN, RunCreate
 from app.services.runs import RunResult
 from app.settings import Settings
-
-# What a signal that is not ignored already stops (SIGHUP: the terminal went away).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,11 @@ def checked_turn(
         body = RunCreate.model_validate(given)
     except ValidationError as exc:
         raise invalid("; ".join(_problem(e) for e in exc.errors())) from None
-    size = len(json.dumps(body.model_dump(mode="json", exclude_unset=True)).encode())
+    # The smallest body a client could send for it: compact, UTF-8 as it is.
+    compact = json.dumps(
+        body.model_dump(mode="json", exclude_unset=True), ensure_ascii=False, separators=(",", ":")
+    )
+    size = len(compact.encode())
     if size > MAX_BODY_BYTES:
         raise click.UsageError(
             f"payload_too_large: as a POST /v1/runs body the turn is {size} bytes, over the"
@@ -105,6 +107,11 @@ def _tenant(settings: Settings, *, tenant: str | None) -> str | None:
     if tenant not in keys.tenants:
         raise click.UsageError(f"--tenant: no key of API_KEYS is for tenant {tenant!r}")
     return tenant
+
+
+def without_last_newline(text: str) -> str:
+    """Standard input less the newline `echo` ends it with (LF or CRLF)."""
+    return text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
 
 
 @dataclass

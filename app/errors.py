@@ -207,8 +207,9 @@ class SqliteFileBusy(ConfigError):
 
     def __init__(self, lock_file: Path) -> None:
         super().__init__(
-            f"another process is serving this SQLite database (it holds {lock_file});"
-            " a SQLite file is served by one process: run replicas on PostgreSQL"
+            f"another process is serving this SQLite database, or running a turn on it (it"
+            f" holds {lock_file}); a SQLite file is served by one process: run replicas on"
+            " PostgreSQL"
         )
         self.lock_file = lock_file
 

@@ -5,6 +5,7 @@ from one that imported the service, as the test servers are: tests/support/forke
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -58,18 +59,25 @@ class Commands:
     tmp_path: Path
     env: dict[str, str]
 
-    def start(self, *argv: str, env: dict[str, str] | None = None, stdin: str = "") -> Running:
-        """Start `agent-runner <argv>`."""
+    def start(
+        self,
+        *argv: str,
+        env: dict[str, str] | None = None,
+        stdin: str = "",
+        stdin_path: Path | None = None,
+    ) -> Running:
+        """Start `agent-runner <argv>`, reading `stdin` (or the file at `stdin_path`)."""
         label = uuid.uuid4().hex[:8]
         out, err, given = (self.tmp_path / f"{label}.{kind}" for kind in ("out", "err", "in"))
-        given.write_text(stdin)
+        if stdin_path is None:
+            given.write_text(stdin)
         process = ForkedServer(
             list(argv),
             env={**self.env, **(env or {})},
             cwd=self.tmp_path,
             log=out,
             errors=err,
-            stdin=given,
+            stdin=stdin_path or given,
         )
         return Running(process, out=out, err=err)
 
@@ -156,7 +164,7 @@ def test_run_answers_a_stateless_turn_and_stores_nothing(
 
 
 @ONLY_SQLITE
-def test_run_refuses_what_the_api_refuses_in_one_line(commands: Commands) -> None:
+def test_run_refuses_what_the_api_refuses_with_its_code(commands: Commands) -> None:
     deep = "[" * 30_000 + "]" * 30_000
     big = "x" * (1024 * 1024)
     cases = [
@@ -190,6 +198,9 @@ def test_run_refuses_what_the_api_refuses_in_one_line(commands: Commands) -> Non
         assert (done.code, done.out) == (code, ""), (argv[:4], done.err)
         assert says in done.err, (argv[:4], done.err)
         assert "Traceback" not in done.err, (argv[:4], done.err)
+    # 1 MiB as the API counts it: the body's UTF-8 bytes (this one is 900,000 and some).
+    wide = commands("run", "echo", "-", stdin="漢" * 300_000)
+    assert (wide.code, len(wide.out)) == (0, len("echo: ") + 300_000 + 1), wide.err
 
 
 @ONLY_SQLITE
@@ -294,6 +305,33 @@ def test_run_stopped_by_sigterm_finishes_its_step_first_even_as_a_background_job
 
 
 @ONLY_SQLITE
+def test_run_stopped_before_its_turn_began_exits_as_the_signal_says(commands: Commands) -> None:
+    # Standard input that never comes: the command waits in its read, before the turn.
+    fifo = commands.tmp_path / "stdin"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR)  # held open, so that the command's read waits
+    try:
+        running = commands.start("run", "echo", "-", stdin_path=fifo)
+        deadline = time.monotonic() + 60
+        while not catches(running.process.pid, signal.SIGTERM):  # its handler is set
+            assert time.monotonic() < deadline, running
+            time.sleep(0.05)
+        running.process.send_signal(signal.SIGTERM)
+        done = running.finish(timeout=30)
+    finally:
+        os.close(writer)
+    assert (done.code, done.out) == (128 + signal.SIGTERM, ""), done
+    assert done.err == "stopped by SIGTERM before the turn began\n"
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (SigCgt in /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+@ONLY_SQLITE
 def test_run_stopped_by_a_second_signal_stops_at_once_and_resumes_safely(
     commands: Commands, tool_server: ToolServer
 ) -> None:
@@ -333,7 +371,7 @@ def test_run_meets_a_servers_turn_on_postgresql_as_another_replica_would(
         assert pending.result(timeout=60).status_code == 200
     assert (busy.code, busy.out) == (1, ""), busy
     assert f"session_busy: Session {SESSION!r} has a run in progress" in busy.err
-    assert f"active_run_id: {held['run_id']}" in busy.err
+    assert f"(active_run_id: {held['run_id']})" in busy.err
     assert tool_server.count("slow_post") == 1  # the refused turn ran nothing
 
 

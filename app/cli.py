@@ -48,16 +48,16 @@ def _settings(*, quiet: bool = False) -> Settings:
     try:
         settings = Settings()
     except ValidationError as exc:
-        problems = "; ".join(_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
+        problems = "; ".join(validation_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
         raise click.ClickException(f"invalid environment: {problems}") from None
     quiet = quiet and "log_level" not in settings.model_fields_set
     configure_logging("WARNING" if quiet else settings.log_level, fmt=settings.log_format)
     return settings
 
 
-def _problem(loc: tuple[int | str, ...], *, msg: str, variable: bool = True) -> str:
-    """One invalid variable, as `NAME: why` (a check across variables has no name); or, not
-    a `variable`, one invalid field as `name: why`."""
+def validation_problem(loc: tuple[int | str, ...], *, msg: str, variable: bool = True) -> str:
+    """One of pydantic's errors in a line: an invalid variable as `NAME: why` (a check across
+    variables has no name); not a `variable`, an invalid field as `name: why`."""
     why = msg.removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
     name = ".".join(map(str, loc))
     return f"{name.upper() if variable else name}: {why}" if loc else why

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from app.api.auth import ApiKeys
 from app.api.deps import Lifecycle
 from app.api.limits import MAX_BODY_BYTES
-from app.cli import STOP_SIGNALS
+from app.cli import STOP_SIGNALS, validation_problem
 from app.failpoints import Failpoints
 from app.main import load_agents, open_services
 from app.metrics import Metrics
@@ -64,7 +64,10 @@ def checked_turn(
     try:
         body = RunCreate.model_validate(given)
     except ValidationError as exc:
-        raise invalid("; ".join(_problem(e) for e in exc.errors())) from None
+        problems = (
+            validation_problem(e["loc"], msg=e["msg"], variable=False) for e in exc.errors()
+        )
+        raise invalid("; ".join(problems)) from None
     # The smallest body a client could send for it: compact, UTF-8 as it is.
     compact = json.dumps(
         body.model_dump(mode="json", exclude_unset=True), ensure_ascii=False, separators=(",", ":")
@@ -86,11 +89,6 @@ def checked_turn(
                 " characters, no spaces"
             )
     return Turn(body, idempotency_key, _tenant(settings, tenant=tenant))
-
-
-def _problem(error: Any) -> str:
-    why = str(error["msg"]).removeprefix("Value error, ")  # pydantic's prefix
-    return f"{'.'.join(map(str, error['loc']))}: {why}"
 
 
 def _tenant(settings: Settings, *, tenant: str | None) -> str | None:

@@ -111,7 +111,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:  # noqa
 # Positional: Starlette calls exception handlers so.
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:  # noqa: PLR0917
     if not is_outage(exc):
-        if (changed := await _schema_changed(request, exc)) is not None:
+        if (changed := await _schema_changed(request, exc=exc)) is not None:
             return problem_response(changed)
         log.error("unhandled database error", exc_info=exc)  # never raised again: log it now
         return _internal_error()
@@ -125,8 +125,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return _internal_error()
 
 
-# Positional: Starlette calls exception handlers so.
-async def _schema_changed(request: Request, exc: Exception) -> SchemaOutOfDate | None:  # noqa: PLR0917
+async def _schema_changed(request: Request, *, exc: Exception) -> SchemaOutOfDate | None:
     """After a database error the code did not expect: the schema's state, if it is no longer
     the code's (changed under a running replica, as /readyz then says), which explains it."""
     try:

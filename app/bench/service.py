@@ -72,10 +72,14 @@ def check_run(run: RunRead, *, steps: int) -> None:
 class Rig:
     """The RunService under test, and how many post_slack calls its sessions should make."""
 
-    db: Database
     service: RunService
     long_model: BenchModel
     expected_effects: int = 0
+
+    @property
+    def db(self) -> Database:
+        """The service's database."""
+        return self.service.db
 
     @classmethod
     @asynccontextmanager
@@ -96,7 +100,7 @@ class Rig:
             metrics=Metrics(),
             lifecycle=Lifecycle(),
         ) as services:
-            yield cls(services.runs.db, services.runs, long_model)
+            yield cls(services.runs, long_model)
 
     async def session(
         self, *, durable: bool, steps: int, agent: str = AGENT

@@ -39,7 +39,7 @@ def agent_runner_command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("agent-runner")
-    return [found] if found else [sys.executable, "-c", "from app.cli import main; main()"]
+    return [found] if found else [sys.executable, "-c", "from app.entry import main; main()"]
 
 
 def _serve_argv(port: int) -> list[str]:

@@ -324,6 +324,30 @@ def test_run_stopped_before_its_turn_began_exits_as_the_signal_says(commands: Co
     assert done.err == "stopped by SIGTERM before the turn began\n"
 
 
+def test_ctrl_c_while_the_command_loads_ends_it_by_sigint_saying_nothing(tmp_path: Path) -> None:
+    # The installed command, interrupted while it imports the CLI (asyncpg's extension is
+    # among the first of its modules loaded; hundreds of milliseconds of imports follow).
+    env = command_env(database_url="memory://")
+    running = subprocess.Popen(
+        [AGENT_RUNNER, "run", "echo", "hi"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "asyncpg/protocol" not in Path(f"/proc/{running.pid}/maps").read_text():
+            assert running.poll() is None and time.monotonic() < deadline, running
+            time.sleep(0.001)
+        running.send_signal(signal.SIGINT)
+        out, err = running.communicate(timeout=60)
+    finally:
+        running.kill()
+    assert (running.returncode, out, err) == (-signal.SIGINT, "", "")  # no traceback
+
+
 def catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler for `signum` (SigCgt in /proc/<pid>/status)."""
     status = Path(f"/proc/{pid}/status").read_text()

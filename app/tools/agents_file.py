@@ -322,6 +322,12 @@ def _http_handler(target: HttpTarget, *, http: SharedHttpClient) -> HttpToolHand
                 f"http.headers must not set {key}; the runner sets it (the input is sent as"
                 " JSON with its own length and a per-call Idempotency-Key)"
             )
+    if url.userinfo and any(key.lower() == "authorization" for key in headers):
+        # httpx would send the URL's user:password as Authorization in place of the header.
+        raise _Problem(
+            "http.url carries a user:password and http.headers sets Authorization; both are"
+            " the Authorization header: keep one"
+        )
     for key, value in headers.items():
         if not HEADER_NAME.fullmatch(key):
             raise _Problem(f"http.headers: {key!r} is not a valid header name")

@@ -176,6 +176,11 @@ def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
             '{url: "http://h", headers: {Transfer-Encoding: x}}',
             "http.headers must not set Transfer-Encoding",
         ),
+        # httpx sends a URL's user:password as Authorization, in place of the header's.
+        (
+            '{url: "http://u:p@h/x", headers: {authorization: "Bearer s"}}',
+            "http.url carries a user:password and http.headers sets Authorization",
+        ),
         ('{url: "http://h:99999/x"}', "http.url 'http://h:99999/x' has a port outside 1-65535"),
         ('{url: "http://ex ample.com/"}', "http.url 'http://ex ample.com/' has an invalid host"),
     ],

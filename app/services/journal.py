@@ -369,7 +369,7 @@ class DurableJournal(Journal):
             "user_id": turn.user_id,
             "metadata": turn.session_metadata,
             "message_count": turn.stored_count + added,
-            "created_at": now,
+            "created_at": turn.created_at,  # as its first run's: the turn that created it began
             "updated_at": now,
         }
 

@@ -35,7 +35,9 @@ SESSION_ROUTES = ["", "/messages", "/runs"]
 
 
 async def test_session_fields(client: httpx.AsyncClient) -> None:
-    await run(client, "triage", "issue 7", session_id="s-1", user_id="u-1", metadata={"a": [1]})
+    first = await run(
+        client, "triage", "issue 7", session_id="s-1", user_id="u-1", metadata={"a": [1]}
+    )
 
     # A session created with a user_id is read with that user_id (the query parameter).
     session = await get_ok(client, "/v1/sessions/s-1", user_id="u-1")
@@ -50,6 +52,8 @@ async def test_session_fields(client: httpx.AsyncClient) -> None:
     assert session["status"] == "idle"
     created = datetime.fromisoformat(session["created_at"])
     assert created <= datetime.fromisoformat(session["updated_at"])
+    record = await get_ok(client, f"/v1/runs/{first['run_id']}")
+    assert session["created_at"] == record["created_at"]  # created by the run, as it began
     assert created.utcoffset() is not None, "timestamps carry their time zone"
 
 

@@ -55,6 +55,19 @@ class SessionNotFound(NotFound):
         super().__init__(f"No session with id {session_id!r}.")
 
 
+class SessionDeleted(SessionNotFound):
+    """The session was deleted under this turn (its runner paused, another replica took the
+    session over and deleted it)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.detail = (
+            f"Session {session_id!r} was deleted while this turn ran; the turn stopped"
+            " without writing or dispatching anything further (a tool call already under way"
+            " may still finish)."
+        )
+
+
 class SessionAccessDenied(AppError):
     code = "session_access_denied"
     status = 403

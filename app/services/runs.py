@@ -31,6 +31,7 @@ from app.errors import (
     SessionAgentMismatch,
     SessionBusy,
     SessionConflict,
+    SessionDeleted,
     SessionHoldLost,
     ValidationFailed,
 )
@@ -129,6 +130,8 @@ class RunService:
                         return refused
                     return await _answer(await self._run_owned(turn, body=body), held=stack)
         except SessionConflict as lost:
+            if await self._deleted_under(turn):
+                raise SessionDeleted(body.session_id) from lost
             if await self._hold_ended_untaken(turn):
                 raise SessionHoldLost(body.session_id) from lost
             # Another runner took the session over: name its run.
@@ -159,6 +162,16 @@ class RunService:
         logs.bind(run_id=earlier.id)
         replay = await self.get(earlier.id, tenant_id=turn.tenant_id, user_id=turn.user_id)
         return RunResult(replay, replayed=True)
+
+    @read_again_if_disconnected
+    async def _deleted_under(self, turn: Turn) -> bool:
+        """Whether the session this turn had stored to, or found, is gone: a runner that took
+        it over deleted it."""
+        if not turn.session_exists:
+            return False
+        assert turn.session_id is not None
+        async with self.db.reads.begin() as session:
+            return await SessionRepository(session).get(turn.session_id) is None
 
     @read_again_if_disconnected
     async def _hold_ended_untaken(self, turn: Turn) -> bool:

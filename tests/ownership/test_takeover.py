@@ -109,6 +109,39 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
     assert list(runs.values()) == ["interrupted"]  # A's run
 
 
+def test_holder_paused_while_its_session_was_deleted_answers_that_it_is_gone(
+    servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """B takes a paused A's session over to delete it; resumed, A says the session is gone
+    (not that the database is unavailable) and writes nothing."""
+    env = {"SESSION_TAKEOVER_AFTER_S": "2"}
+    a, b = servers.new("a", env=env), servers.new("b", env=env)
+    servers.start_all(a, b)
+    assert a.process is not None
+    session = "s-deleted"
+    fake_model.set_delay(3)  # A's first model call is still unanswered when it is paused
+    on_a = Background(a.url, run_body("triage", "Triage issue 9", session))
+    wait_for(lambda: len(fake_model.requests) == 1, timeout=15, what="A's model request")
+    a.process.send_signal(signal.SIGSTOP)
+    try:
+        with b.client() as client:
+            deadline = time.monotonic() + 10
+            while (deleted := client.delete(f"/v1/sessions/{session}")).status_code == 409:
+                assert time.monotonic() < deadline, deleted.text
+                time.sleep(0.2)
+            assert deleted.status_code == 204, deleted.text
+    finally:
+        a.process.send_signal(signal.SIGCONT)
+    answer = on_a.join(15)
+    assert isinstance(answer, httpx.Response), answer
+    gone = assert_problem(answer, 404, "session_not_found")
+    assert "was deleted while this turn ran" in gone["detail"]
+    time.sleep(1.5)  # A's chance to misbehave: a late write or tool call would land by now
+    assert tool_server.invocations == []
+    with b.client() as client:
+        assert_problem(client.get(f"/v1/sessions/{session}"), 404, "session_not_found")
+
+
 def drop_lock_connections(database_url: str) -> int:
     """Terminate the backends holding session locks in the test database (a partition)."""
 

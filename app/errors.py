@@ -215,6 +215,17 @@ class ConfigError(Exception):
     """The agents file or another configuration input is invalid (raised at start)."""
 
 
+class SchemaAhead(ConfigError):
+    """The database's schema is at a migration this build does not have: a newer build has
+    upgraded it (a rolling upgrade), and this one must neither migrate nor serve it."""
+
+    def __init__(self, revision: str) -> None:
+        super().__init__(
+            f"the database's schema is at {revision!r}, a migration this build does not have:"
+            " a newer build has upgraded the database; run that build here"
+        )
+
+
 class SqliteFileBusy(ConfigError):
     """Another process holds the SQLite file's lock: it serves the file (or runs a turn on it)."""
 

@@ -144,8 +144,7 @@ AGAIN = re.compile(r"\b(again|resend)\b", re.IGNORECASE)
 def support_script(request: ModelRequest) -> ModelResponse:
     """Look up the order, email the customer, then report (the `support` example agent)."""
     user_text, turn = current_turn(request.messages)
-    match = ORDER_ID.search(user_text)
-    order_id = match.group(1).upper() if match else DEFAULT_ORDER_ID
+    order_id = _order_asked_about(request.messages)
     results = {m.tool_name: m for m in turn if m.role is Role.TOOL}
     step = 1 + sum(1 for m in turn if m.role is Role.ASSISTANT)
     # After a crash, the repaired results of the interrupted turn reach the model in the same
@@ -182,6 +181,15 @@ def support_script(request: ModelRequest) -> ModelResponse:
         tool_call_id(request, step=step, tool_name="send_email"), "send_email", arguments
     )
     return ask(f"I found order {order_id}; emailing the customer an update.", calls=[call])
+
+
+def _order_asked_about(messages: list[Message]) -> str:
+    """The order the latest user message names; if it names none ("and now?"), the one an
+    earlier turn of the session named, else the default."""
+    for message in reversed(messages):
+        if message.role is Role.USER and (match := ORDER_ID.search(message.content)):
+            return match.group(1).upper()
+    return DEFAULT_ORDER_ID
 
 
 def _emailed_before(messages: list[Message], *, order_id: str) -> Message | None:

@@ -225,6 +225,23 @@ async def test_support_does_not_resend_an_email_a_crash_cut_off_in_a_later_turn(
     assert after.tool_calls == [] and "already emailed" in after.text
 
 
+async def test_support_takes_a_turn_naming_no_order_as_about_the_sessions_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README's `run` example: "and now?" after a turn about A-1002 is about A-1002 (it
+    # was taken for the default order, A-1001, which it then emailed about).
+    history: list[Message] = []
+    outbox = tmp_path / "outbox.jsonl"
+    await run_turn(history, "Where is order A-1002?", outbox, monkeypatch)
+
+    [follow_up] = await run_turn(history, "and now?", outbox, monkeypatch)
+    assert follow_up.tool_calls == []
+    assert "already emailed customer@example.com about order A-1002" in follow_up.text
+    assert len(outbox.read_text().splitlines()) == 1
+    first = (await run_turn([], "and now?", outbox, monkeypatch))[0]
+    assert first.tool_calls[0].arguments == {"order_id": "A-1001"}  # a new session: the default
+
+
 async def test_support_does_not_send_the_same_email_twice_unless_asked_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,6 @@
 """`agent-runner serve` as a fork of a process that imported the service once.
 
-Starting the command imports the service: ~3.5 s of CPU, 2.6 s of it the anthropic SDK, and the
+Starting the command imports the service: 2 to 4 s of CPU, most of it the anthropic SDK, and the
 suite starts over a hundred servers on two CPUs. A forkserver (multiprocessing's) imports it
 once per test process; each server is a fork of it that calls the command's own entry point
 with the test's arguments, environment, working folder and log file. It is a real process, with

@@ -234,7 +234,10 @@ class InlineTransactor(Transactor):
         with self._waiting.connect() as conn:
             driver = conn.connection.driver_connection
             assert isinstance(driver, sqlite3.Connection)
-            return _driver_transaction(driver, body=body)
+            try:
+                return _driver_transaction(driver, body=body)
+            except _Busy as busy:  # still held after the busy timeout: the driver's error,
+                raise busy.error from None  # which callers take for an outage (a 503)
 
     @override
     async def dispose(self) -> None:
@@ -247,6 +250,10 @@ class InlineTransactor(Transactor):
 class _Busy(Exception):
     """Another process holds the SQLite file's write lock."""
 
+    def __init__(self, error: sqlite3.OperationalError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
 
 def _driver_transaction(
     driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connection], T]
@@ -256,7 +263,7 @@ def _driver_transaction(
         driver.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError as exc:
         if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
-            raise _Busy from exc
+            raise _Busy(exc) from exc
         raise
     try:
         result = body(driver)

@@ -42,3 +42,30 @@ def test_a_run_waits_for_a_foreign_write_lock_while_the_server_keeps_answering(
     finally:
         other.close()
         server.kill()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_foreign_write_lock_held_past_the_busy_timeout_is_a_503_then_the_run_goes(
+    database_url: str, tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    server = agents_server(database_url=database_url).start()
+    path = make_url(database_url).database
+    assert path is not None
+    other = sqlite3.connect(path, isolation_level=None)
+    body = {"agent": "echo", "message": "wait for the lock", "session_id": "held"}
+    try:
+        other.execute("BEGIN IMMEDIATE")  # held past the server's 10 s busy timeout
+        with server.client(timeout=60) as client:
+            refused = client.post("/v1/runs", json=body)
+            other.execute("COMMIT")
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["code"] == "database_unavailable"
+            assert refused.headers.get("retry-after")
+            answer = client.post("/v1/runs", json=body)
+            assert answer.status_code == 200, answer.text
+            stored = client.get("/v1/sessions/held/messages").json()["data"]
+        assert [m["role"] for m in stored] == ["user", "assistant"]
+    finally:
+        other.close()
+        server.kill()
+    assert " 500 " not in server.logs()

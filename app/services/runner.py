@@ -19,7 +19,6 @@ from app.domain import (
     is_durability_error,
     orphaned_calls,
 )
-from app.errors import SessionConflict
 from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse, not_a_message
 from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
@@ -349,8 +348,10 @@ class AgentRunner:
                 try:
                     async with asyncio.TaskGroup() as group:
                         tasks = [group.create_task(limited(c)) for c in batch]
-                except* SessionConflict as lost:
-                    raise lost.exceptions[0] from None
+                except ExceptionGroup as failed:
+                    # The ownership check's errors (handlers' become results): the first of
+                    # them, as a serial call raises it (SessionConflict a 409, an outage 503).
+                    raise _first_error(failed) from None
                 results.extend(t.result() for t in tasks)
                 batch.clear()
 
@@ -382,6 +383,12 @@ class AgentRunner:
     @staticmethod
     def _context(turn: Turn, *, call: ToolCall) -> ToolContext:
         return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)
+
+
+def _first_error(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first exception of a group, unwrapping groups nested in it."""
+    first = group.exceptions[0]
+    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _failed(last_text: str | None, *, error: LLMError) -> RunEnd:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.domain import Message, ToolCall
-from app.errors import SessionConflict
+from app.errors import DatabaseUnavailable, SessionConflict
 from app.llm.base import ModelRequest, ModelResponse
 from app.llm.scripted import ScriptedLLMClient, ask, final
 from app.metrics import Metrics
@@ -190,16 +190,20 @@ class RecordingJournal(StatelessJournal):
 
 
 class LosingJournal(RecordingJournal):
-    """Owns the session for the first `owned` checks; every later check finds it lost."""
+    """Owns the session for the first `owned` checks; every later check finds it lost, or
+    (`outage`) finds the database gone."""
 
-    def __init__(self, *, owned: int = 0) -> None:
+    def __init__(self, *, owned: int = 0, outage: bool = False) -> None:
         super().__init__()
         self.owned = owned
+        self.outage = outage
 
     async def check_owned(self, turn: Turn) -> None:
         await super().check_owned(turn)
         if len(self.checks) > self.owned:
             assert turn.session_id is not None
+            if self.outage:
+                raise DatabaseUnavailable("The database cannot be reached.")
             raise SessionConflict(turn.session_id)
 
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.domain import RunStatus, ToolCall
-from app.errors import SessionConflict
+from app.errors import DatabaseUnavailable, SessionConflict
 from app.metrics import Metrics
 from app.services.journal import RunEnd
 from app.tools.base import ToolContext
@@ -174,6 +174,20 @@ async def test_a_runner_that_lost_the_session_dispatches_nothing(
     assert journal.kinds() == ["step"]  # write #1 stood; no results, no end
     assert journal.checks and set(journal.checks) == {0}
     assert counted_tool_calls(metrics) == {}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_an_outage_at_the_ownership_check_is_raised_as_itself(
+    registry: ToolRegistry, probe: Probe, *, parallel: bool
+) -> None:
+    # Not wrapped in the parallel calls' ExceptionGroup, which the API would answer 500.
+    calls = [call(f"toolu_{x}", "fan" if parallel else "step", label=x) for x in "ab"]
+    journal = LosingJournal(owned=0, outage=True)
+    with pytest.raises(DatabaseUnavailable):
+        await run(registry, Model(calls), journal=journal, metrics=Metrics())
+
+    assert probe.calls == []
+    assert journal.kinds() == ["step"]
 
 
 async def test_losing_the_session_mid_step_stops_the_calls_not_yet_dispatched(

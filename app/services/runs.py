@@ -115,6 +115,13 @@ class RunService:
         if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
+        if idempotency_key is not None:
+            # A keyed turn whose record is its answer is answered without holding the session
+            # (the record never changes once it is): held, the session would refuse a turn
+            # that another replica is asked to run meanwhile.
+            earlier = await self._precheck(turn, body=body)
+            if earlier is not None:
+                return await self._replay(earlier, turn=turn)
         deadline = time.monotonic() + ActiveRuns.SETTLE_WAIT_S
         try:
             while True:

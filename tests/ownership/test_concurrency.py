@@ -125,25 +125,57 @@ def test_delete_on_another_replica_while_a_run_is_in_progress_names_the_run(
         assert [r["run_id"] for r in session_runs(client, session)] == [run["run_id"]]
 
 
+ACME, GLOBEX = {"Authorization": "Bearer key-acme"}, {"Authorization": "Bearer key-globex"}
+TENANTS = {"API_KEYS": "key-acme:acme,key-globex:globex"}
+
+
 def test_requests_that_run_no_turn_never_make_a_turn_busy(servers: Servers) -> None:
     """A 409 means a turn runs. Requests answered without one (another tenant's 404, the
     replay of a finished keyed turn) hold the session only while they are decided: a turn
     arriving meanwhile waits for that and runs, however many of them arrive."""
-    server = servers.start("server", env={"API_KEYS": "key-acme:acme,key-globex:globex"})
-    acme, globex = {"Authorization": "Bearer key-acme"}, {"Authorization": "Bearer key-globex"}
+    server = servers.start("server", env=TENANTS)
     session = "s-not-busy"
-    keyed = run_body("echo", "Hello", session)
-    with server.client() as client:
-        first = ok(client.post("/v1/runs", json=keyed, headers={**acme, "Idempotency-Key": "k"}))
     noise = [
-        ({**acme, "Idempotency-Key": "k"}, keyed, 200),  # a replay
-        (globex, run_body("echo", "Hello", session), 404),  # another tenant's session
+        ({**ACME, "Idempotency-Key": "k"}, run_body("echo", "Hello", session), 200),  # a replay
+        (GLOBEX, run_body("echo", "Hello", session), 404),  # another tenant's session
     ]
+    assert_turns_never_busy(server, noise_at=server, noise=noise, session=session)
+
+
+@POSTGRES_ONLY
+def test_keyed_requests_that_run_no_turn_never_make_a_turn_on_another_replica_busy(
+    servers: Servers,
+) -> None:
+    """Across replicas too: a keyed request answered without a turn (its replay, another
+    tenant's 404) is decided before it holds the session, so a turn that another replica is
+    asked to run meanwhile is never refused."""
+    a, b = servers.new("a", env=TENANTS), servers.new("b", env=TENANTS)
+    servers.start_all(a, b)
+    session = "s-not-busy-across"
+    noise = [
+        ({**ACME, "Idempotency-Key": "k"}, run_body("echo", "Hello", session), 200),  # a replay
+        ({**GLOBEX, "Idempotency-Key": "k"}, run_body("echo", "Hello", session), 404),
+    ]
+    assert_turns_never_busy(a, noise_at=b, noise=noise, session=session)
+
+
+def assert_turns_never_busy(
+    server: ServerProcess,
+    *,
+    noise_at: ServerProcess,
+    noise: list[tuple[dict[str, str], Json, int]],
+    session: str,
+) -> None:
+    """After a first keyed turn, 15 turns on `server` all run while two threads per `noise`
+    request send it to `noise_at` again and again, each answered its status every time."""
+    with server.client() as client:
+        keyed = run_body("echo", "Hello", session)
+        first = ok(client.post("/v1/runs", json=keyed, headers={**ACME, "Idempotency-Key": "k"}))
     stop = threading.Event()
     unexpected: list[str] = []
 
     def refused_again_and_again(headers: dict[str, str], body: Json, status: int) -> None:
-        with httpx.Client(base_url=server.url, timeout=30) as client:
+        with httpx.Client(base_url=noise_at.url, timeout=30) as client:
             while not stop.is_set():
                 response = client.post("/v1/runs", json=body, headers=headers)
                 if response.status_code != status:
@@ -158,7 +190,7 @@ def test_requests_that_run_no_turn_never_make_a_turn_busy(servers: Servers) -> N
     try:
         with server.client() as client:
             answers = [
-                client.post("/v1/runs", json=run_body("echo", f"Turn {i}", session), headers=acme)
+                client.post("/v1/runs", json=run_body("echo", f"Turn {i}", session), headers=ACME)
                 for i in range(15)
             ]
     finally:
@@ -167,7 +199,7 @@ def test_requests_that_run_no_turn_never_make_a_turn_busy(servers: Servers) -> N
             thread.join(30)
     assert [r.status_code for r in answers] == [200] * 15, [r.text for r in answers]
     assert not unexpected, unexpected[:3]
-    with httpx.Client(base_url=server.url, headers=acme) as client:
+    with httpx.Client(base_url=server.url, headers=ACME) as client:
         runs = session_runs(client, session)
     assert len(runs) == 16 and runs[-1]["run_id"] == first["run_id"]
 

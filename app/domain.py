@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -36,6 +37,21 @@ def nests_deeper_than(value: Any, *, levels: int) -> bool:
     else:
         return False
     return levels == 0 or any(nests_deeper_than(child, levels=levels - 1) for child in children)
+
+
+def is_plain_json(value: Any) -> bool:
+    """Whether `value` is what strict JSON can say: objects with string keys, arrays,
+    strings, booleans, null and finite numbers (not 1e400, which Python reads as inf, nor
+    a YAML date or bytes). Assumed not deeper than Python's recursion limit."""
+    if value is None or isinstance(value, str | bool | int):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain_json(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(is_plain_json(item) for item in value)
+    return False
 
 
 def json_text(value: Any, *, separators: tuple[str, str] | None = None) -> str:

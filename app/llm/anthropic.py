@@ -21,7 +21,15 @@ from anthropic.types import (
 )
 from typing_extensions import override
 
-from app.domain import Message, Role, ToolCall, Usage, nests_deeper_than, storable
+from app.domain import (
+    Message,
+    Role,
+    ToolCall,
+    Usage,
+    is_plain_json,
+    nests_deeper_than,
+    storable,
+)
 from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse, not_a_message
 
 log = logging.getLogger(__name__)
@@ -171,7 +179,8 @@ def read_answer(message: Any) -> ModelResponse:
     otherwise fail later with Python's words, or be stored and break the session's history.
     A tool call must have an id of A-Z a-z 0-9 _ - that no other call of the answer has (the
     step's results are paired with its calls by id), a name of 1-128 such characters, and an
-    object as its input, nested at most MAX_TOOL_INPUT_DEPTH deep. Token counts must be
+    object of plain JSON (no number out of range) as its input, nested at most
+    MAX_TOOL_INPUT_DEPTH deep. Token counts must be
     storable, the stop reason a string or absent. Strings are made storable (see `storable`)."""
     content = getattr(message, "content", None)
     usage = getattr(message, "usage", None)
@@ -226,6 +235,8 @@ def _read_tool_use(block: Any) -> ToolCall:
         raise _NotAMessage(
             f"tool_use {call_id!r} has an input nested deeper than {MAX_TOOL_INPUT_DEPTH} levels"
         )
+    if not is_plain_json(arguments):  # 1e400, read as inf: neither store nor the API takes it
+        raise _NotAMessage(f"tool_use {call_id!r} has a number in its input out of range")
     return ToolCall(call_id, name, storable(arguments))
 
 

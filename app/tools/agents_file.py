@@ -23,7 +23,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
-from app.domain import nests_deeper_than
+from app.domain import is_plain_json, nests_deeper_than
 from app.errors import ConfigError
 from app.tools.base import DEFAULT_MAX_RESULT_BYTES, AgentConfig, Tool, ToolHandler
 from app.tools.http import HttpToolHandler, SharedHttpClient
@@ -291,6 +291,12 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     # Deeper, it could not be checked (Python's recursion limit) nor listed by /v1/agents.
     if nests_deeper_than(schema, levels=MAX_SCHEMA_DEPTH):
         raise _Problem(f"input_schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    # YAML says more than JSON (.inf, dates, !!binary): the schema is sent to the model as JSON.
+    if not is_plain_json(schema):
+        raise _Problem(
+            "input_schema must be plain JSON: strings, finite numbers, booleans, null, lists"
+            " and maps (not .inf or .nan, a date, or binary)"
+        )
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -121,9 +122,9 @@ class HttpToolHandler(ToolHandler):
             # as an error would invite the model to repeat a side effect that already happened.
             return None
         try:
-            # Strict JSON only (no NaN or Infinity, which no result can hold); a body nested
-            # too deep to parse is not JSON to us either.
-            return json.loads(body, parse_constant=_not_json)
+            # Strict JSON only (no NaN or Infinity, nor a number past a float's range, which no
+            # result can hold); a body nested too deep to parse is not JSON to us either.
+            return json.loads(body, parse_constant=_not_json, parse_float=_finite)
         except (ValueError, RecursionError) as exc:
             excerpt = _text(response, body=body)[:BODY_EXCERPT_CHARS]
             raise ToolFailed(
@@ -155,3 +156,11 @@ async def _read(response: httpx.Response, *, limit: int) -> tuple[bytes, bool]:
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    """A JSON number as a float; one past a float's range (1e400) is refused, not inf."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number[:40]} is out of range")
+    return value

@@ -137,7 +137,8 @@ class ToolRegistry:
             log.warning("tool returned a non-JSON value", extra=extra)
             return ToolResult.error(
                 call,
-                message=f"tool {call.name!r} returned a value that is not JSON-serialisable: {exc}",
+                message=f"tool {call.name!r} returned a value that is not JSON-serialisable:"
+                f" {exc}; it ran to its end, so it may have taken effect",
             )
 
     def _invalid_arguments(self, tool: Tool, *, call: ToolCall) -> str | None:

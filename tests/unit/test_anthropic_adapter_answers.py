@@ -34,6 +34,13 @@ def deep_answer(levels: int) -> bytes:
     return body.replace(marker, '{"a":' * levels + "1" + "}" * levels).encode()
 
 
+def out_of_range_answer() -> bytes:
+    """An answer whose tool input holds 1e400, which JSON readers take for inf."""
+    marker = json.dumps({"marker": 1})
+    body = answer(tool_use(arguments={"marker": 1})).decode()
+    return body.replace(marker, '{"amount": 1e400}').encode()
+
+
 def tool_use(call_id: Any = "toolu_1", name: Any = "get_issue", arguments: Any = None) -> Any:
     return {"type": "tool_use", "id": call_id, "name": name, "input": arguments or {"id": "1"}}
 
@@ -86,6 +93,9 @@ NOT_MESSAGES: dict[str, tuple[bytes, str]] = {
     # Run and stored, then every answer holding it was a 500 (too deep to serialise back).
     "input-too-deep": (answer(tool_use(arguments=nested(65))), "application/json"),
     "input-far-too-deep": (deep_answer(5000), "application/json"),
+    # Run, then stored as Infinity (SQLite: no later request could be sent) or a 500
+    # (PostgreSQL's json refuses it).
+    "input-out-of-range": (out_of_range_answer(), "application/json"),
     # Ids and names the API refuses when the history is sent back (a NUL or a lone surrogate
     # would become U+FFFD, which it refuses too).
     "call-id-colon": (answer(tool_use(call_id="call:1")), "application/json"),

@@ -77,6 +77,8 @@ def build_app(seen: list[Seen]) -> Starlette:
             return Response(status_code=204)
         if name == "nan":
             return Response('{"ratio": NaN}', media_type="application/json")
+        if name == "huge":  # a number past a float's range: Python reads it as inf
+            return Response('{"sent": true, "amount": 1e400}', media_type="application/json")
         if name == "deep":  # too deep for json to parse
             return Response("[" * 100_000 + "]" * 100_000, media_type="application/json")
         return PlainTextResponse("", status_code=302, headers={"Location": "/echo"})
@@ -120,6 +122,7 @@ def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:
             "empty",
             "redirect",
             "nan",
+            "huge",
             "deep",
         )
     }
@@ -248,7 +251,7 @@ async def test_http_2xx_non_json_is_an_error(registry: ToolRegistry, server: Loc
     assert message.endswith("plain words")
 
 
-@pytest.mark.parametrize("name", ["nan", "deep"])
+@pytest.mark.parametrize("name", ["nan", "huge", "deep"])
 async def test_http_2xx_that_no_result_can_hold_is_not_json(
     registry: ToolRegistry, server: LocalServer, name: str
 ) -> None:

@@ -56,6 +56,19 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
             + "}",
             "input_schema nests deeper than 64 levels",
         ),
+        # YAML that JSON cannot say: the file started, then every run of its agents failed
+        # (or GET /v1/agents was a 500).
+        *(
+            (
+                f"{{type: object, properties: {{n: {{type: number, {value}}}}}}}",
+                "input_schema must be plain JSON",
+            )
+            for value in ("maximum: .inf", "minimum: .nan", "default: 2026-12-01")
+        ),
+        (
+            '{type: object, properties: {b: {default: !!binary "gIGC"}}}',
+            "input_schema must be plain JSON",
+        ),
     ],
 )
 def test_invalid_input_schema(tmp_path: Path, schema: str, problem: str) -> None:

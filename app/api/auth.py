@@ -11,6 +11,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.api.problems import problem_response
 from app.errors import ConfigError, Unauthorized
 
+# What the store keeps of a tenant's name (session.tenant_id).
+TENANT_MAX_LENGTH = 128
+
 
 class ApiKeys:
     """Configured keys, kept only as SHA-256 digests and compared in constant time."""
@@ -28,6 +31,11 @@ class ApiKeys:
             key, sep, tenant = (part.strip() for part in entry.rpartition(":"))
             if not sep or not key or not tenant:
                 raise ConfigError(f"API_KEYS: entry {position} is not key:tenant")
+            if len(tenant) > TENANT_MAX_LENGTH:
+                raise ConfigError(
+                    f"API_KEYS: entry {position} names a tenant of more than"
+                    f" {TENANT_MAX_LENGTH} characters"
+                )
             if key in keys:  # the key is not quoted: it is a secret
                 raise ConfigError(f"API_KEYS: entry {position} repeats the key of an earlier one")
             keys[key] = tenant

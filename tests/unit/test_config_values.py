@@ -32,6 +32,8 @@ def test_api_keys_ignore_spaces_around_key_and_tenant() -> None:
         ("", "API_KEYS is set but empty: name key:tenant entries, or unset it"),
         (" ", "API_KEYS is set but empty: name key:tenant entries, or unset it"),
         ("k1:a,", "API_KEYS: entry 2 is not key:tenant"),
+        # A session's tenant_id holds 128: every durable run of the key was a 500 on PostgreSQL.
+        (f"k1:a,k2:{'t' * 129}", "API_KEYS: entry 2 names a tenant of more than 128 characters"),
     ],
 )
 def test_api_keys_refused_with_the_entry_named_and_no_key_shown(spec: str, problem: str) -> None:

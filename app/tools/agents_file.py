@@ -39,7 +39,7 @@ HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 HEADER_VALUE = re.compile(r"[\t\x20-\x7e]*")
 # Headers an HTTP tool's request gets from the runner, never from the file.
 RUNNERS_HEADERS = frozenset(
-    {"idempotency-key", "content-type", "content-length", "transfer-encoding"}
+    {"idempotency-key", "content-type", "content-length", "transfer-encoding", "accept-encoding"}
 )
 # A host httpx has parsed: a name (IDNA-encoded), an IPv4 address, or an IPv6 one.
 HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9._~-]+)?")
@@ -326,7 +326,8 @@ def _http_handler(target: HttpTarget, *, http: SharedHttpClient) -> HttpToolHand
         if key.lower() in RUNNERS_HEADERS:
             raise _Problem(
                 f"http.headers must not set {key}; the runner sets it (the input is sent as"
-                " JSON with its own length and a per-call Idempotency-Key)"
+                " JSON with its own length and a per-call Idempotency-Key, and the answer is"
+                " asked for uncompressed, so that its size limit holds)"
             )
     if url.userinfo and any(key.lower() == "authorization" for key in headers):
         # httpx would send the URL's user:password as Authorization in place of the header.

@@ -51,7 +51,11 @@ class SharedHttpClient:
             # a call waiting for one (httpx allows 100) spent its timeout_s in the queue and
             # was reported timed out, whether or not it was ever sent.
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
-            self._client = httpx.AsyncClient(follow_redirects=False, limits=limits)
+            # Uncompressed answers only: httpx inflates each compressed chunk whole before
+            # `_read` can count it, so a small gzip body could take far more than the limit.
+            self._client = httpx.AsyncClient(
+                follow_redirects=False, limits=limits, headers={"Accept-Encoding": "identity"}
+            )
         return self._client
 
     async def aclose(self) -> None:

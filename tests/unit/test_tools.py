@@ -175,6 +175,8 @@ async def test_http_tool_posts_json_and_returns_json(
     assert seen.body == arguments
     assert seen.headers["content-type"] == "application/json"
     assert seen.headers["idempotency-key"] == "sess-1:toolu_abc"
+    # Uncompressed: a gzip answer is inflated a chunk at a time past the result's limit.
+    assert seen.headers["accept-encoding"] == "identity"
 
 
 async def test_http_idempotency_key_without_session(

@@ -189,6 +189,10 @@ def test_python_target_with_dotted_attribute(tmp_path: Path) -> None:
             '{url: "http://h", headers: {Transfer-Encoding: x}}',
             "http.headers must not set Transfer-Encoding",
         ),
+        (
+            '{url: "http://h", headers: {Accept-Encoding: gzip}}',
+            "http.headers must not set Accept-Encoding",
+        ),
         # httpx sends a URL's user:password as Authorization, in place of the header's.
         (
             '{url: "http://u:p@h/x", headers: {authorization: "Bearer s"}}',

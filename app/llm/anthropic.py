@@ -60,6 +60,8 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # More than any model reads or writes in one call; each count is stored as a 64-bit sum
 # over a turn's calls, so a larger one could not be stored.
 MAX_TOKEN_COUNT = 2**32 - 1
+# How long one attempt may take to connect (the SDK's own default).
+CONNECT_TIMEOUT_S = 5.0
 # Tool inputs deeper than this could be run but not answered back (see nests_deeper_than).
 MAX_TOOL_INPUT_DEPTH = 64
 # Stands in for a tool that history names and the agent no longer has (see `_tools`).
@@ -80,10 +82,14 @@ class AnthropicLLMClient(LLMClient):
         api_key: str | None = None,
         base_url: str | None = None,
     ) -> None:
+        # Each attempt may take the whole budget, but its connection only the SDK's usual
+        # few seconds: an API host that drops packets is then retried, not waited out.
+        timeout = anthropic.Timeout(timeout_s, connect=min(CONNECT_TIMEOUT_S, timeout_s))
+
         def build(key: str | None) -> anthropic.AsyncAnthropic:
             # key/base_url None: the SDK reads ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL itself.
             return anthropic.AsyncAnthropic(
-                api_key=key, base_url=base_url, max_retries=max_retries, timeout=timeout_s
+                api_key=key, base_url=base_url, max_retries=max_retries, timeout=timeout
             )
 
         try:

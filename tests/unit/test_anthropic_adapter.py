@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anthropic
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -377,3 +378,18 @@ async def test_broken_profile_still_constructs(
         await llm.aclose()
 
     assert response.text == "echo: offline"
+
+
+@pytest.mark.parametrize(("timeout_s", "connect_s"), [(600, 5.0), (2, 2)])
+async def test_an_attempt_waits_for_its_connection_no_longer_than_the_sdks_usual(
+    timeout_s: float, connect_s: float
+) -> None:
+    # ANTHROPIC_TIMEOUT_S was every phase's timeout: a host dropping packets held the first
+    # attempt's connect for the whole budget, and the SDK's retries never came.
+    llm = AnthropicLLMClient(max_retries=2, timeout_s=timeout_s, api_key="k")
+    try:
+        timeout = llm._client.timeout  # the SDK client this adapter built
+    finally:
+        await llm.aclose()
+    assert isinstance(timeout, anthropic.Timeout)
+    assert (timeout.connect, timeout.read, timeout.write) == (connect_s, timeout_s, timeout_s)

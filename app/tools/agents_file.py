@@ -305,6 +305,12 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     # The Messages API requires tool input to be an object; anything else is rejected there.
     if schema.get("type") != "object":
         raise _Problem("input_schema must have type: object")
+    if combined := sorted({"oneOf", "allOf", "anyOf"} & schema.keys()):
+        # The Messages API refuses the whole request that lists such a tool.
+        raise _Problem(
+            f"input_schema must not use {', '.join(combined)} at its top level (the Messages"
+            " API refuses it; inside properties it may)"
+        )
     if problem := _bad_ref(schema):
         raise _Problem(f"input_schema: {problem}")
     return schema

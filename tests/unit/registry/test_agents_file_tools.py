@@ -30,6 +30,10 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
         ("{type: object, required: notalist}", "input_schema is not a valid JSON Schema"),
         ("{type: string}", "input_schema must have type: object"),
         ("{properties: {a: {type: string}}}", "input_schema must have type: object"),
+        (
+            "{type: object, anyOf: [{required: [a]}, {required: [b]}]}",
+            "input_schema must not use anyOf at its top level (the Messages API refuses it",
+        ),
         ("[1, 2]", "input_schema: Input should be a valid dictionary"),
         (
             '{type: object, properties: {x: {$ref: "http://127.0.0.1:9/s.json"}}}',

@@ -99,6 +99,10 @@ class PostgresOwnership(Ownership):
         # Sessions still held by a turn whose lock went with an earlier connection (`retake`).
         self._lost: set[str] = set()
         self._io = asyncio.Lock()  # one query at a time on the lock connection
+        # One retake at a time: a step's parallel calls find a lost hold all at once, and a
+        # second pg_try_advisory_lock on the same connection would take the lock twice
+        # (PostgreSQL counts them), so that the turn's one unlock would leave it held.
+        self._retaking = asyncio.Lock()
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
         self.statements = 0
@@ -183,12 +187,20 @@ class PostgresOwnership(Ownership):
         lock connection, if no other runner holds it now and `unchanged()` then says nothing
         was stored to it meanwhile (another runner may have taken it over and let it go).
         Otherwise it is let go for good: the turn's checks and writes fail from then on."""
+        async with self._retaking:
+            return await self._retake(session_id, unchanged=unchanged)
+
+    async def _retake(self, session_id: str, *, unchanged: Callable[[], Awaitable[bool]]) -> bool:
         key = lock_key(session_id)
         try:
             # Asked, not looked at: a connection whose end is not seen yet (the turn's write
             # failed with it first) fails the statement and is replaced, and a new connection
             # counts the old one's sessions `_lost`.
             await self.ping()
+            if session_id not in self._lost and self._held.get(session_id) == self._token:
+                # Taken again, on this live connection, by a call of the same step: held, the
+                # stored state is still the turn's own (asked, so the caller learns which).
+                return await unchanged()
             token = await self._take(key, from_stalled=False) if session_id in self._lost else None
         except ConnectionError:
             return False

@@ -24,6 +24,7 @@ class Servers:
         self._tmp_path = tmp_path
         self._database_url = database_url
         self._model_url = model_url
+        self._tools_url = tools_url
         self._agents_file = write_agents_file(tmp_path, tools_url)
         self._made: list[ServerProcess] = []
 
@@ -37,6 +38,18 @@ class Servers:
         this call."""
         text = self._agents_file.read_text()
         entry = f'  {name}:\n    python: "{python}"\n'
+        self._agents_file.write_text(text.replace("\nagents:\n", f"\n{entry}agents:\n", 1))
+
+    def add_http_tool(self, name: str, *, path: str, parallel: bool = False) -> None:
+        """Add an HTTP tool of the ToolServer's `path` (taking an `id`) to the agents file of
+        the servers made after this call."""
+        text = self._agents_file.read_text()
+        entry = (
+            f"  {name}:\n"
+            "    input_schema: {type: object, properties: {id: {type: string}}, required: [id]}\n"
+            f"    parallel: {'true' if parallel else 'false'}\n"
+            f'    http: {{url: "{self._tools_url}/{path}"}}\n'
+        )
         self._agents_file.write_text(text.replace("\nagents:\n", f"\n{entry}agents:\n", 1))
 
     def new(

@@ -222,6 +222,35 @@ def test_a_holder_whose_lock_connection_ended_with_no_taker_takes_the_session_ag
     assert tool_server.count("slow_post") == 1
 
 
+def test_parallel_calls_that_find_the_hold_ended_take_the_session_again_once(
+    servers: Servers, database_url: str, tool_server: ToolServer
+) -> None:
+    """A's lock connection ends while a step's first call runs; the step's parallel calls
+    then all find the hold gone at once. A takes the session again once: when the turn
+    ends, it holds nothing, and another replica may delete the session."""
+    servers.add_http_tool("fan_a", path="get_issue", parallel=True)
+    servers.add_http_tool("fan_b", path="get_issue", parallel=True)
+    servers.add_agent(
+        "slow-then-fan", model="plan:slow_post,fan_a,fan_b", tools=["slow_post", "fan_a", "fan_b"]
+    )
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session = "s-fan-retake"
+    on_a = Background(a.url, run_body("slow-then-fan", "Post, then read twice", session))
+    assert tool_server.in_flight.wait(15), a.logs()
+    assert drop_lock_connections(database_url) == 1
+    wait_for(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
+    tool_server.release()
+    answer = on_a.join(15)
+    assert isinstance(answer, httpx.Response), answer
+    assert ok(answer)["status"] == "complete"
+    assert "taken again, nothing stored since: the turn goes on" in a.logs()
+    assert tool_server.count("get_issue") == 2
+    with b.client() as client:  # A let the session go: B may delete it at once
+        deleted = client.delete(f"/v1/sessions/{session}")
+    assert deleted.status_code == 204, deleted.text
+
+
 def test_a_hold_that_ended_before_the_turns_start_record_is_taken_again(
     servers: Servers, database_url: str
 ) -> None:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -54,7 +55,12 @@ class SharedHttpClient:
             # Uncompressed answers only: httpx inflates each compressed chunk whole before
             # `_read` can count it, so a small gzip body could take far more than the limit.
             self._client = httpx.AsyncClient(
-                follow_redirects=False, limits=limits, headers={"Accept-Encoding": "identity"}
+                follow_redirects=False,
+                limits=limits,
+                headers={"Accept-Encoding": "identity"},
+                # One client serves every tool, session and tenant: a cookie one call's answer
+                # set would go with every later call to that host. The jar keeps none.
+                cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
             )
         return self._client
 

@@ -77,6 +77,8 @@ def build_app(seen: list[Seen]) -> Starlette:
             return Response(status_code=204)
         if name == "nan":
             return Response('{"ratio": NaN}', media_type="application/json")
+        if name == "set-cookie":  # another session's credentials, say
+            return JSONResponse({}, headers={"set-cookie": "auth=secret; Path=/"})
         if name == "huge":  # a number past a float's range: Python reads it as inf
             return Response('{"sent": true, "amount": 1e400}', media_type="application/json")
         if name == "deep":  # too deep for json to parse
@@ -122,6 +124,7 @@ def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:
             "empty",
             "redirect",
             "nan",
+            "set-cookie",
             "huge",
             "deep",
         )
@@ -177,6 +180,15 @@ async def test_http_tool_posts_json_and_returns_json(
     assert seen.headers["idempotency-key"] == "sess-1:toolu_abc"
     # Uncompressed: a gzip answer is inflated a chunk at a time past the result's limit.
     assert seen.headers["accept-encoding"] == "identity"
+
+
+async def test_http_tools_keep_no_cookie_an_answer_sets(
+    registry: ToolRegistry, server: LocalServer
+) -> None:
+    # One client serves every session and tenant: the cookie went with every later call.
+    assert not (await run(registry, "set-cookie", {})).is_error
+    assert not (await run(registry, "echo", {})).is_error
+    assert "cookie" not in server.seen[-1].headers
 
 
 async def test_http_idempotency_key_without_session(

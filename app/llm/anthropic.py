@@ -105,6 +105,7 @@ class AnthropicLLMClient(LLMClient):
             sdk.api_key = _PLACEHOLDER_API_KEY
         self._client = sdk
         self._timeout_s = timeout_s
+        self._timeout = timeout
 
     @override
     async def complete(self, request: ModelRequest) -> ModelResponse:
@@ -122,6 +123,9 @@ class AnthropicLLMClient(LLMClient):
                     system=request.system if request.system and request.system.strip() else omit,
                     tools=tools if tools else omit,
                     tool_choice=tool_choice,
+                    # Given per call: left to the client, a timeout equal to the SDK's default
+                    # makes it refuse, unsent, a large max_tokens ("streaming is required").
+                    timeout=self._timeout,
                 )
         except (anthropic.AnthropicError, TimeoutError) as err:
             error = _to_llm_error(err, timeout_s=self._timeout_s)

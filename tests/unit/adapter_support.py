@@ -28,9 +28,13 @@ SLACK = ToolSpec(
 
 
 def request(
-    messages: list[Message], *, model: str = "echo", tools: list[ToolSpec] | None = None
+    messages: list[Message],
+    *,
+    model: str = "echo",
+    tools: list[ToolSpec] | None = None,
+    max_tokens: int = 256,
 ) -> ModelRequest:
-    return ModelRequest(model, "You triage issues.", messages, tools or [], 256)
+    return ModelRequest(model, "You triage issues.", messages, tools or [], max_tokens)
 
 
 async def failure(

@@ -393,3 +393,20 @@ async def test_an_attempt_waits_for_its_connection_no_longer_than_the_sdks_usual
         await llm.aclose()
     assert isinstance(timeout, anthropic.Timeout)
     assert (timeout.connect, timeout.read, timeout.write) == (connect_s, timeout_s, timeout_s)
+
+
+@pytest.mark.parametrize("model", ["echo", "claude-opus-4-20250514"])
+async def test_a_large_max_tokens_is_sent_with_the_default_timeout(
+    fake: FakeAnthropic, model: str
+) -> None:
+    # With ANTHROPIC_TIMEOUT_S at its default (the SDK's own), the SDK refused such a request
+    # unsent ("streaming is required"), and the run ended `error` blaming the API's answer.
+    llm = AnthropicLLMClient(max_retries=0, timeout_s=600, api_key="k", base_url=fake.url)
+    try:
+        response = await llm.complete(
+            request([Message.user("long answer")], model=model, max_tokens=64_000)
+        )
+    finally:
+        await llm.aclose()
+    assert response.text == "echo: long answer"
+    assert [r["max_tokens"] for r in fake.requests] == [64_000]

@@ -46,7 +46,7 @@ class Turn:
     fingerprint: str | None = None
     stored_count: int = 0
     session_exists: bool = False
-    run_stored: bool = False
+    stored_status: str | None = None  # this run's status as last stored (None: no row yet)
     user_stored: bool = False
     created_at: datetime = field(default_factory=utcnow)
     finished_at: datetime | None = None
@@ -70,7 +70,7 @@ class Turn:
         (None: no such row yet), in the form of JournalStore.stored."""
         return (
             self.stored_count if self.session_exists else None,
-            RunStatus.RUNNING.value if self.run_stored else None,
+            self.stored_status,
         )
 
 
@@ -157,7 +157,7 @@ class DurableJournal(Journal):
     @override
     async def record_start(self, turn: Turn, *, interrupted: Sequence[str]) -> None:
         new_run, run_values = None, None
-        if turn.run_stored:  # a continued turn runs again
+        if turn.stored_status is not None:  # a continued turn runs again
             run_values = {"status": RunStatus.RUNNING.value, "finished_at": None}
         else:
             new_run = self._new_run(turn)
@@ -170,7 +170,7 @@ class DurableJournal(Journal):
                 run_values=run_values,
                 interrupted=interrupted,
             )
-        turn.run_stored = True
+        turn.stored_status = RunStatus.RUNNING.value
         turn.stored_run_values = turn.run_values()
 
     @override
@@ -286,6 +286,7 @@ class DurableJournal(Journal):
                 await self._write(turn, batch=[], touch=True, run_values=values)
             else:
                 await self._append(turn, messages=[final], end=values)
+        turn.stored_status = end.status.value
 
     async def _append(
         self,

@@ -329,7 +329,7 @@ class RunService:
     def _continue(turn: Turn, *, earlier: models.Run, history: list[Message]) -> None:
         """Pick an interrupted turn up where it stopped, under its own run_id."""
         turn.run_id = earlier.id
-        turn.run_stored = True
+        turn.stored_status = earlier.status  # `interrupted`, or `running` if no turn found it
         turn.created_at = earlier.created_at
         turn.run_metadata = earlier.metadata_ or {}
         turn.iterations = earlier.iterations

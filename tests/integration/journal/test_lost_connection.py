@@ -16,7 +16,7 @@ import pytest
 
 from app.db.session import Database
 from app.db.urls import asyncpg_dsn
-from app.domain import Message, Role
+from app.domain import Message, Role, RunStatus
 from app.errors import DatabaseUnavailable
 from app.metrics import Metrics
 from app.services.journal import DurableJournal
@@ -25,6 +25,8 @@ from tests.integration.journal.support import (
     CALLS,
     SESSION,
     journal_on,
+    new_turn,
+    overtaken_after_write_1,
     read,
     results_for,
     shape,
@@ -167,6 +169,26 @@ async def test_with_the_hold_lost_too_the_session_is_taken_again_and_the_write_s
         await runner.check(SESSION)  # held again
         await journal.record_results(turn, results=results_for(*CALLS))
     assert len((await read(db, turn.run_id)).history) == 4
+
+
+async def test_a_continued_turn_whose_hold_ended_before_its_start_record_takes_it_again(
+    db: Database, metrics: Metrics, database_url: str, runner: PostgresOwnership
+) -> None:
+    # A keyed turn a later turn marked `interrupted`, continued: its hold ends before its
+    # start record. Nothing was stored since it read the session (its run still reads
+    # `interrupted`), so it takes the session again and starts. It expected `running`, so
+    # it was refused as if another runner had taken the session over.
+    journal = journal_on(db, metrics, ownership=runner)
+    async with runner.hold(SESSION):
+        crashed, _ = await overtaken_after_write_1(journal)
+        continued = new_turn("buy it", stored_count=6)
+        continued.run_id, continued.created_at = crashed.run_id, crashed.created_at
+        continued.stored_status = RunStatus.INTERRUPTED.value  # as RunService._continue reads it
+        continued.user_stored = True
+        await _lose_the_lock(runner, database_url)()
+        await journal.record_start(continued, interrupted=[])
+        await runner.check(SESSION)  # held again
+    assert (await read(db, crashed.run_id)).runs[crashed.run_id].status == RunStatus.RUNNING
 
 
 async def test_with_the_session_taken_by_another_runner_meanwhile_the_outcome_is_left_unknown(

@@ -56,7 +56,11 @@ async def test_repairs_go_after_their_assistant_and_dead_runs_are_marked_interru
     repaired_at = stored.history[2].created_at
     assert repaired_at is not None and repaired_at == stored.history[3].created_at
     assert interrupted.finished_at <= repaired_at
-    assert (resumed.stored_count, resumed.run_stored, resumed.user_stored) == (4, True, False)
+    assert (resumed.stored_count, resumed.stored_status, resumed.user_stored) == (
+        4,
+        "running",
+        False,
+    )
     assert write_counts(metrics) == {"start": 2, "write1": 1, "repair": 1}
 
     await journal.record_end(
@@ -119,7 +123,7 @@ async def interrupted_then_continued(db: Database, journal: DurableJournal) -> t
     continued = new_turn("buy it", stored_count=6)
     continued.run_id = crashed.run_id
     continued.created_at = crashed.created_at
-    continued.run_stored = True
+    continued.stored_status = RunStatus.INTERRUPTED.value  # as the later turn left it
     continued.user_stored = True
     continued.iterations = 1
     await journal.record_start(continued, interrupted=[])

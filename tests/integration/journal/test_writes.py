@@ -58,10 +58,10 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
     assert run.finished_at is None
     assert (run.iterations, run.input_tokens, run.output_tokens) == (0, 0, 0)
     assert run.stop_reason is None
-    assert (turn.stored_count, turn.session_exists, turn.run_stored, turn.user_stored) == (
+    assert (turn.stored_count, turn.session_exists, turn.stored_status, turn.user_stored) == (
         0,
         True,
-        True,
+        "running",
         False,
     )
     assert write_counts(metrics) == {"start": 1}
@@ -107,10 +107,10 @@ async def test_the_first_step_writes_user_and_assistant_together(
     run = stored.runs[turn.run_id]
     assert run.status == RunStatus.RUNNING
     assert run.finished_at is None
-    assert (turn.stored_count, turn.session_exists, turn.run_stored, turn.user_stored) == (
+    assert (turn.stored_count, turn.session_exists, turn.stored_status, turn.user_stored) == (
         2,
         True,
-        True,
+        "running",
         True,
     )
     assert write_counts(metrics) == {"start": 1, "write1": 1}
@@ -224,7 +224,7 @@ async def test_a_stale_turn_conflicts_and_writes_nothing(
     assert loser.run_id not in after.runs
     assert after.runs[first.run_id].status == RunStatus.RUNNING
     assert after.runs[winner.run_id].status == RunStatus.COMPLETE
-    assert (loser.stored_count, loser.run_stored, loser.user_stored) == (2, False, False)
+    assert (loser.stored_count, loser.stored_status, loser.user_stored) == (2, None, False)
 
 
 async def test_a_runner_taken_over_after_its_start_fails_every_later_write(
@@ -276,10 +276,10 @@ async def test_two_turns_creating_the_same_session_conflict(
     assert stored.session.message_count == 2
     assert loser.run_id not in stored.runs
     assert stored.runs[winner.run_id].status == RunStatus.RUNNING
-    assert (loser.stored_count, loser.session_exists, loser.run_stored, loser.user_stored) == (
+    assert (loser.stored_count, loser.session_exists, loser.stored_status, loser.user_stored) == (
         0,
         False,
-        False,
+        None,
         False,
     )
 

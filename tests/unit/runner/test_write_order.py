@@ -153,7 +153,7 @@ async def test_a_continued_turn_does_not_append_its_stored_user_message(
     ]
     turn = new_turn("buy it")
     turn.user_stored = True
-    turn.run_stored = True
+    turn.stored_status = RunStatus.INTERRUPTED.value
     turn.iterations = 1
     turn.messages = [m for m in history if m.run_id == "run-1"]  # as the run service does
     model = Model(then="bought")

@@ -185,14 +185,15 @@ class RunService:
         """Whether this replica lost the session with no other runner taking it: its hold
         ended with its connection to the database (a restart of it, a backend ended), not
         with a second request. Nobody holds the session, and this turn's run still shows
-        `running` (a runner that took over would have ended or continued it), or was never
-        stored (the hold ended before the turn's start record)."""
+        the status the turn last stored or read (`running`; `interrupted` for a continued
+        turn before its start record: a runner that took over would have ended or continued
+        it), or was never stored (the hold ended before the turn's start record)."""
         assert turn.session_id is not None
         if await self.ownership.is_held(turn.session_id):
             return False
         async with self.db.reads.begin() as session:
             run = await RunRepository(session).get(turn.run_id)
-        return run is None or run.status == RunStatus.RUNNING.value
+        return run is None or run.status == turn.stored_status
 
     async def _active_run(self, busy: SessionBusy, *, turn: Turn) -> str | None:
         assert turn.session_id is not None

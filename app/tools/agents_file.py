@@ -294,8 +294,9 @@ def _check_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
     # YAML says more than JSON (.inf, dates, !!binary): the schema is sent to the model as JSON.
     if not is_plain_json(schema):
         raise _Problem(
-            "input_schema must be plain JSON: strings, finite numbers, booleans, null, lists"
-            " and maps (not .inf or .nan, a date, or binary)"
+            "input_schema must be plain JSON: maps with string keys (quote a key such as"
+            " on, yes or 2024, which YAML reads as another type), lists, strings, finite"
+            " numbers, booleans and null (not .inf or .nan, a date, or binary)"
         )
     try:
         Draft202012Validator.check_schema(schema)

@@ -52,8 +52,7 @@ class SharedHttpClient:
             # a call waiting for one (httpx allows 100) spent its timeout_s in the queue and
             # was reported timed out, whether or not it was ever sent.
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
-            # Uncompressed answers only: httpx inflates each compressed chunk whole before
-            # `_read` can count it, so a small gzip body could take far more than the limit.
+            # Uncompressed answers only (a compressed one is not read: `_compressed`).
             self._client = httpx.AsyncClient(
                 follow_redirects=False,
                 limits=limits,
@@ -105,6 +104,9 @@ class HttpToolHandler(ToolHandler):
                     "POST", self.url, json=arguments, headers=headers, timeout=self.timeout_s
                 ) as response,
             ):
+                encoding = response.headers.get("content-encoding", "").strip().lower()
+                if encoding not in ("", "identity"):
+                    raise self._compressed(response.status_code, encoding=encoding)
                 body, whole = await _read(response, limit=self._client.max_body_bytes)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolFailed(
@@ -119,6 +121,16 @@ class HttpToolHandler(ToolHandler):
                 detail += "; it may or may not have taken effect"
             raise ToolFailed(f"request to {self.shown} failed: {detail}") from exc
         return self._result(response, body=body, whole=whole)
+
+    def _compressed(self, status: int, *, encoding: str) -> ToolFailed:
+        """An answer compressed though asked for identity: inflated, a small body could take
+        far more memory than the result's limit, so it is not read."""
+        accepted = 200 <= status < 300
+        return ToolFailed(
+            f"HTTP {status} from {self.shown} came compressed ({encoding[:40]}) though asked"
+            " for identity, and was not read"
+            + ("; the request was accepted, so it may have taken effect" if accepted else "")
+        )
 
     def _result(self, response: httpx.Response, *, body: bytes, whole: bool) -> Any:
         status = response.status_code
@@ -156,7 +168,7 @@ async def _read(response: httpx.Response, *, limit: int) -> tuple[bytes, bool]:
     a tool answering a gigabyte takes no more of the runner's memory than the limit)."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_raw():  # as sent: never inflated (see `_compressed`)
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import socket
 import threading
@@ -77,6 +78,9 @@ def build_app(seen: list[Seen]) -> Starlette:
             return Response(status_code=204)
         if name == "nan":
             return Response('{"ratio": NaN}', media_type="application/json")
+        if name == "gzip":  # compressed though asked for identity: 20 MB once inflated
+            packed = gzip.compress(b'{"pad": "' + b" " * 20_000_000 + b'"}', compresslevel=1)
+            return Response(packed, headers={"content-encoding": "gzip"})
         if name == "set-cookie":  # another session's credentials, say
             return JSONResponse({}, headers={"set-cookie": "auth=secret; Path=/"})
         if name == "huge":  # a number past a float's range: Python reads it as inf
@@ -125,6 +129,7 @@ def http_tools_yaml(base: str, *, timeout_s: float = 5) -> str:
             "redirect",
             "nan",
             "set-cookie",
+            "gzip",
             "huge",
             "deep",
         )
@@ -180,6 +185,17 @@ async def test_http_tool_posts_json_and_returns_json(
     assert seen.headers["idempotency-key"] == "sess-1:toolu_abc"
     # Uncompressed: a gzip answer is inflated a chunk at a time past the result's limit.
     assert seen.headers["accept-encoding"] == "identity"
+
+
+async def test_http_answer_compressed_though_asked_for_identity_is_not_read(
+    registry: ToolRegistry, server: LocalServer
+) -> None:
+    # Inflated, a body of some 200 KB took 130 MB against a 256 KiB result limit.
+    message = error_of(await run(registry, "gzip", {}))
+    assert message == (
+        f"HTTP 200 from {server.url} came compressed (gzip) though asked for identity, and was"
+        " not read; the request was accepted, so it may have taken effect"
+    )
 
 
 async def test_http_tools_keep_no_cookie_an_answer_sets(

@@ -67,7 +67,7 @@ def test_exactly_one_of_http_or_python(tmp_path: Path, body: str) -> None:
                 f"{{type: object, properties: {{n: {{type: number, {value}}}}}}}",
                 "input_schema must be plain JSON",
             )
-            for value in ("maximum: .inf", "minimum: .nan", "default: 2026-12-01")
+            for value in ("maximum: .inf", "minimum: .nan", "default: 2026-12-01", "on: 1")
         ),
         (
             '{type: object, properties: {b: {default: !!binary "gIGC"}}}',

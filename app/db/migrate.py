@@ -120,4 +120,7 @@ async def database_state(db: Database) -> DatabaseState:
         if db.dialect != "postgresql":
             return DatabaseState(revision, read_only=False)
         sql = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
-        return DatabaseState(revision, read_only=bool(await conn.scalar(text(sql))))
+        read_only = bool(await conn.scalar(text(sql)))
+        if read_only:  # perhaps this connection's own default: the next check asks a new one
+            await conn.invalidate()
+        return DatabaseState(revision, read_only=read_only)

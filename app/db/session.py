@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from app.db import models  # noqa: F401  # registers the tables on Base.metadata
 from app.db.base import Base
-from app.db.outages import PG_CONNECTION_ERRORS
+from app.db.outages import PG_CONNECTION_ERRORS, pg_read_only
 from app.db.urls import MEMORY_URL, async_url, pg_connector, sqlite_file
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -40,6 +40,12 @@ def _configure_postgres(engine: Engine) -> None:
         lost = isinstance(context.original_exception.__cause__, PG_CONNECTION_ERRORS)
         if lost or context.connection is None:
             context.is_disconnect = True
+        elif pg_read_only(context.original_exception):
+            # A connection made while the database was read-only (ALTER DATABASE ... SET
+            # default_transaction_read_only) keeps that default for its life: it is
+            # replaced, not pooled again, so the replica recovers once the database does.
+            context.is_disconnect = True
+            context.invalidate_pool_on_disconnect = False
 
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:

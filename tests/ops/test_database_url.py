@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 from app.serving import agent_runner_command
 from tests.ops.test_startup_refusals import refusal
 from tests.support.pg import on_postgres
+from tests.support.polling import wait_for
 from tests.support.server import AgentsServer
 
 pytestmark = [
@@ -86,6 +87,41 @@ def test_a_read_only_database_is_not_ready_and_answers_503(
             assert response.json()["code"] == "database_unavailable"
             assert "read-only" in response.json()["detail"]
     assert "Traceback" not in server.logs()
+
+
+def test_a_database_read_only_for_a_while_is_served_again_once_it_takes_writes(
+    database_url: str, tmp_path: Path, agents_server: AgentsServer
+) -> None:
+    # A connection made while the database was read-only keeps that default for its life:
+    # the replica stayed 503 "read-only" until it was restarted.
+    name = make_url(database_url).database
+    admin = f"{database_url.rsplit('/', 1)[0]}/postgres"  # the test database takes no writes
+
+    def read_only(setting: str) -> None:
+        sql = f'ALTER DATABASE "{name}" {setting}'
+        on_postgres(admin, lambda conn: conn.execute(sql))
+
+    body = {"agent": "triage", "message": "issue 7", "session_id": "ro-2"}
+    server = agents_server(database_url=database_url)
+    with server, server.client(timeout=30) as client:
+        assert client.post("/v1/runs", json=body).status_code == 200
+        read_only("SET default_transaction_read_only = on")
+        on_postgres(database_url, lambda conn: conn.execute(END_THE_OTHERS))  # made anew
+        wait_for(lambda: client.get("/readyz").status_code == 503, timeout=15, what="read-only")
+        refused = client.post("/v1/runs", json=body)
+        assert refused.status_code == 503 and "read-only" in refused.json()["detail"], refused
+        read_only("RESET default_transaction_read_only")
+        wait_for(lambda: client.get("/readyz").status_code == 200, timeout=15, what="ready")
+        again = client.post("/v1/runs", json=body)
+        assert again.status_code == 200 and again.json()["status"] == "complete", again.text
+    assert "Traceback" not in server.logs()
+
+
+# Every other backend of the test database: the server's pooled and lock connections.
+END_THE_OTHERS = (
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
 
 
 def test_a_host_list_with_one_port_is_served(

@@ -244,8 +244,11 @@ class PostgresJournalStore(JournalStore):
                     before_commit()
         except BaseException as exc:  # cancellation too: its connection's state is unknown
             if isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, PG_CONNECTION_ERRORS):
+                if pg_read_only(exc):  # its read-only default may be the connection's own
+                    await greenlet_spawn(pooled.invalidate, exc)  # (see app/db/session.py)
+                    raise unavailable(exc) from exc
                 await greenlet_spawn(pooled.close)  # the statement failed, not the connection
-                if pg_read_only(exc) or saturated(exc):
+                if saturated(exc):
                     raise unavailable(exc) from exc
                 raise
             if isinstance(exc, PG_CONNECTION_ERRORS):

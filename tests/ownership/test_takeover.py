@@ -29,6 +29,7 @@ from tests.ownership.helpers import (
 )
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.polling import wait_for
+from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 from tests.support.transactions import TableLock
 
@@ -142,6 +143,21 @@ def test_holder_paused_while_its_session_was_deleted_answers_that_it_is_gone(
         assert_problem(client.get(f"/v1/sessions/{session}"), 404, "session_not_found")
 
 
+def finish_after_the_hold_ends_mid_call(
+    server: ServerProcess, turn: Background, *, database_url: str, tools: ToolServer
+) -> None:
+    """End `server`'s lock connection while `turn`'s held call runs, with no other runner
+    coming, then let the call answer: the turn takes its session again and completes."""
+    assert tools.in_flight.wait(15), server.logs()
+    assert drop_lock_connections(database_url) == 1
+    wait_for(lambda: "ownership connection lost" in server.logs(), timeout=5, what="reconnect")
+    tools.release()
+    answer = turn.join(15)
+    assert isinstance(answer, httpx.Response), answer
+    assert ok(answer)["status"] == "complete"
+    assert "taken again, nothing stored since: the turn goes on" in server.logs()
+
+
 def drop_lock_connections(database_url: str) -> int:
     """Terminate the backends holding session locks in the test database (a partition)."""
 
@@ -207,14 +223,7 @@ def test_a_holder_whose_lock_connection_ended_with_no_taker_takes_the_session_ag
     session, key = "s-hold-lost", {"Idempotency-Key": "turn-41"}
     body = run_body("slow", "Post the slow report", session)
     on_a = Background(a.url, body, headers=key)
-    assert tool_server.in_flight.wait(15), a.logs()
-    assert drop_lock_connections(database_url) == 1
-    wait_for(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
-    tool_server.release()
-    answer = on_a.join(15)
-    assert isinstance(answer, httpx.Response), answer
-    assert ok(answer)["status"] == "complete"
-    assert "taken again, nothing stored since: the turn goes on" in a.logs()
+    finish_after_the_hold_ends_mid_call(a, on_a, database_url=database_url, tools=tool_server)
     with a.client() as client:
         messages = history(client, session)
     (post,) = [c for c in tool_calls(messages) if c["name"] == "slow_post"]
@@ -237,14 +246,7 @@ def test_parallel_calls_that_find_the_hold_ended_take_the_session_again_once(
     servers.start_all(a, b)
     session = "s-fan-retake"
     on_a = Background(a.url, run_body("slow-then-fan", "Post, then read twice", session))
-    assert tool_server.in_flight.wait(15), a.logs()
-    assert drop_lock_connections(database_url) == 1
-    wait_for(lambda: "ownership connection lost" in a.logs(), timeout=5, what="A's reconnect")
-    tool_server.release()
-    answer = on_a.join(15)
-    assert isinstance(answer, httpx.Response), answer
-    assert ok(answer)["status"] == "complete"
-    assert "taken again, nothing stored since: the turn goes on" in a.logs()
+    finish_after_the_hold_ends_mid_call(a, on_a, database_url=database_url, tools=tool_server)
     assert tool_server.count("get_issue") == 2
     with b.client() as client:  # A let the session go: B may delete it at once
         deleted = client.delete(f"/v1/sessions/{session}")

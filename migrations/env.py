@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from app.db.base import UTCDateTime
-from app.db.migrate import MIGRATION_LOCK_KEY, known_revisions
+from app.db.migrate import MIGRATION_LOCK_KEY, from_a_newer_build
 from app.db.models import Base
 from app.db.urls import async_url, pg_connector
 from app.errors import SchemaAhead
@@ -41,7 +41,7 @@ def _run(connection: Connection) -> None:
             # Held until this transaction ends: a second replica waits, then finds nothing to do.
             connection.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})"))
         current = context.get_context().get_current_revision()
-        if current is not None and current not in known_revisions():
+        if from_a_newer_build(current):
             raise SchemaAhead(current)  # alembic's own error would be a traceback
         context.run_migrations()
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from alembic import command
 from alembic.config import Config
@@ -60,6 +61,11 @@ def known_revisions() -> frozenset[str]:
     """Every migration this build has (a schema at another one is a newer build's)."""
     scripts = ScriptDirectory.from_config(alembic_config(None))
     return frozenset(script.revision for script in scripts.walk_revisions())
+
+
+def from_a_newer_build(revision: str | None) -> TypeGuard[str]:
+    """Whether a schema at `revision` is a newer build's: a migration this build lacks."""
+    return revision is not None and revision not in known_revisions()
 
 
 async def current_revision(conn: AsyncConnection) -> str | None:

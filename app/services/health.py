@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.db.migrate import database_state, known_revisions
+from app.db.migrate import database_state, from_a_newer_build
 from app.db.outages import READ_ONLY_DETAIL
 from app.db.session import Database
 from app.errors import DatabaseUnavailable, SchemaOutOfDate
@@ -30,7 +30,7 @@ class HealthService:
         if state.read_only:
             raise DatabaseUnavailable(READ_ONLY_DETAIL)
         if state.revision != self.head_revision:
-            if state.revision is not None and state.revision not in known_revisions():
+            if from_a_newer_build(state.revision):
                 # A newer build has migrated the database (a rolling upgrade): this older
                 # build cannot tell whether it can use that schema, and must not migrate it.
                 raise SchemaOutOfDate(

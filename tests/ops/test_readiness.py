@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 
 from tests.ops.helpers import timed
 from tests.ops.proxy import database_via_proxy
-from tests.support.pg import on_postgres
+from tests.support.schema import stored_revision
 from tests.support.server import AgentsServer, ServerProcess
 from tests.support.tool_server import ToolServer
 
@@ -36,11 +36,6 @@ def _problem_code(response: httpx.Response) -> str | None:
         return None
     code = response.json().get("code")
     return str(code) if code is not None else None
-
-
-def _set_revision(database_url: str, revision: str) -> None:
-    sql = "UPDATE alembic_version SET version_num = $1"
-    on_postgres(database_url, lambda conn: conn.execute(sql, revision))
 
 
 def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
@@ -91,7 +86,7 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
             assert tool_server.count("post_slack") == 2
 
             # Behind the server's back, the schema falls behind the code: not ready.
-            _set_revision(database_url, FIRST_REVISION)
+            stored_revision(database_url, set_to=FIRST_REVISION)
             stale = client.get("/readyz")
             assert stale.status_code == 503, stale.text
             assert _problem_code(stale) == "schema_out_of_date"
@@ -99,7 +94,7 @@ def test_outage_answers_503_fast_and_the_server_recovers_by_itself(
             assert "run `agent-runner migrate`" in stale.json()["detail"]
 
             # A newer build has migrated the database: not ready, and migrating is not the cure.
-            _set_revision(database_url, "a1b2c3d4e5f6")
+            stored_revision(database_url, set_to="a1b2c3d4e5f6")
             newer = client.get("/readyz")
             assert newer.status_code == 503, newer.text
             assert _problem_code(newer) == "schema_out_of_date"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -10,13 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool
 
-from app.db.migrate import current_revision
-from app.db.urls import async_url
 from app.serving import ServeProcess, agent_runner_command
+from tests.support.schema import stored_revision
 from tests.support.server import ServerProcess, command_env, server_port
 
 
@@ -148,30 +143,13 @@ def test_a_database_that_cannot_be_used_is_named_in_one_line(
     assert f"Error: cannot use the database {unusable}: {reason}" in logs, logs
 
 
-def revision(database_url: str, *, set_to: str | None = None) -> str | None:
-    """The schema revision alembic_version holds, first set to `set_to` if given."""
-
-    async def go() -> str | None:
-        engine = create_async_engine(async_url(database_url), poolclass=NullPool)
-        try:
-            async with engine.begin() as conn:
-                if set_to is not None:
-                    update = text("UPDATE alembic_version SET version_num = :revision")
-                    await conn.execute(update, {"revision": set_to})
-                return await current_revision(conn)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(go())
-
-
 def test_a_database_a_newer_build_migrated_is_refused_in_one_line(
     tmp_path: Path, database_url: str
 ) -> None:
     # A rolling upgrade's older build, (re)started after the newer one migrated: it must not
     # serve a schema it does not know, nor try to migrate it.
     newer = "a1b2c3d4e5f6"
-    revision(database_url, set_to=newer)
+    stored_revision(database_url, set_to=newer)
     said = (
         f"Error: the database's schema is at {newer!r}, a migration this build does not have:"
         " a newer build has upgraded the database; run that build here"
@@ -188,7 +166,7 @@ def test_a_database_a_newer_build_migrated_is_refused_in_one_line(
     )
     assert (migrate.returncode, migrate.stdout) == (1, ""), migrate.stderr
     assert said in migrate.stderr and "Traceback" not in migrate.stderr, migrate.stderr
-    assert revision(database_url) == newer
+    assert stored_revision(database_url) == newer
 
 
 def test_a_database_in_a_folder_not_made_yet_is_served(tmp_path: Path) -> None:

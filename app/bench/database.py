@@ -166,16 +166,28 @@ def own_schema(database_url: str) -> Iterator[str]:
         yield database_url
         return
     schema = f"agent_runner_bench_{uuid.uuid4().hex[:12]}"
-    _execute(database_url, sql=f'CREATE SCHEMA "{schema}"', what="create the bench's schema")
+    try:
+        _execute(database_url, sql=f'CREATE SCHEMA "{schema}"', what="create the bench's schema")
+    except BenchError:
+        raise  # refused, or the database is out of reach: nothing was made
+    except BaseException:
+        # Stopped while it was being made: committed, it is there (a signal landing after the
+        # commit, as the connection closed, left it behind).
+        _drop_if_able(database_url, schema=schema)
+        raise
     try:
         url = make_url(database_url).update_query_dict({"search_path": schema})
         yield url.render_as_string(hide_password=False)
     except BaseException:
-        # The bench failed or was stopped: say so, whether or not the schema goes too.
-        with contextlib.suppress(BenchError):
-            _drop(database_url, schema=schema)
+        _drop_if_able(database_url, schema=schema)
         raise
     _drop(database_url, schema=schema)
+
+
+def _drop_if_able(database_url: str, *, schema: str) -> None:
+    """The bench failed or was stopped: say so, whether or not the schema goes too."""
+    with contextlib.suppress(BenchError):
+        _drop(database_url, schema=schema)
 
 
 def _drop(database_url: str, *, schema: str) -> None:

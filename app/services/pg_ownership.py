@@ -58,8 +58,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # How long a lock statement whose deadline has passed is still given, from when the event loop
-# runs again, before the lock connection is dropped (see `_answered_within`).
-LAST_LOOK_S = 0.1
+# runs again, before the lock connection is dropped (see `_answered_within`): long enough for
+# the round trip a prepared statement still needs on a loaded server (0.1 s once fell short
+# on a busy machine), short against the takeover. No dispatch is let through by it: `check` goes by when
+# the last heartbeat was sent.
+LAST_LOOK_S = 0.5
 
 
 async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:

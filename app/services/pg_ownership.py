@@ -60,8 +60,8 @@ T = TypeVar("T")
 # How long a lock statement whose deadline has passed is still given, from when the event loop
 # runs again, before the lock connection is dropped (see `_answered_within`): long enough for
 # the round trip a prepared statement still needs on a loaded server (0.1 s once fell short
-# on a busy machine), short against the takeover. No dispatch is let through by it: `check` goes by when
-# the last heartbeat was sent.
+# on a busy machine), short against the takeover. No dispatch is let through by it: `check`
+# goes by when the last heartbeat was sent.
 LAST_LOOK_S = 0.5
 
 
@@ -247,14 +247,26 @@ class PostgresOwnership(Ownership):
         return held
 
     async def _connect(self) -> None:
+        """Open the lock connection and take its token (call with `_io` held). Its first
+        statement is timed like any other: a server that accepts the connection and then
+        answers nothing (a half-open path after a failover) would hold `_io`, and with it
+        every request of the process, until the kernel gives up on the socket."""
         conn = await self._open()
-        while True:  # a token someone holds is one in 2**64: draw again
-            token = new_token()
-            row = await conn.fetchrow(
-                "SELECT pg_backend_pid() AS pid, pg_try_advisory_lock($1, $2) AS taken", *token
-            )
-            if row["taken"]:
-                break
+        try:
+            while True:  # a token someone holds is one in 2**64: draw again
+                token = new_token()
+                row = await _answered_within(
+                    conn.fetchrow(
+                        "SELECT pg_backend_pid() AS pid, pg_try_advisory_lock($1, $2) AS taken",
+                        *token,
+                    ),
+                    timeout_s=self._statement_timeout_s,
+                )
+                if row["taken"]:
+                    break
+        except BaseException:
+            conn.terminate()  # one left open per failed beat would use up the server's slots
+            raise
         self._pid, self._token = row["pid"], token
         self._lost.update(self._held)  # a new connection holds no session's lock
         self._held = {}
@@ -313,7 +325,7 @@ class PostgresOwnership(Ownership):
         if self._conn is None:
             try:
                 await self._connect()
-            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
                 raise ConnectionError("the ownership connection is down") from exc
         assert self._conn is not None
         return self._conn

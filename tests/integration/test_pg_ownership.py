@@ -182,6 +182,39 @@ async def test_a_lock_connection_that_stops_answering_is_dropped_not_waited_on(
             await owner.stop()
 
 
+async def test_a_new_lock_connection_that_answers_nothing_is_given_up_and_closed(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a failover the server accepts the new lock connection, then its first statement
+    # is never answered. Untimed, it held the lock connection's turn, and with it every
+    # request of the replica, until the kernel gave up on the socket; each failed attempt
+    # also left its connection open.
+    with database_via_proxy(database_url) as (proxy, via_proxy):
+        async with a_replica(via_proxy) as owner:
+            opened: list[asyncpg.Connection] = []
+            open_connection = owner._open
+
+            async def open_then_stall() -> asyncpg.Connection:
+                conn = await open_connection()
+                opened.append(conn)
+                proxy.stall(6)  # accepted; what it is sent next goes unanswered
+                return conn
+
+            admin = await asyncpg.connect(asyncpg_dsn(database_url))
+            try:
+                assert await admin.fetchval("SELECT pg_terminate_backend($1, 5000)", owner.lock_pid)
+            finally:
+                await admin.close()
+            monkeypatch.setattr(owner, "_open", open_then_stall)
+            asked_at = time.monotonic()
+            with pytest.raises(ConnectionError):
+                await owner.ping()
+            waited_s = time.monotonic() - asked_at
+            assert waited_s < TAKEOVER_AFTER_S, f"the new connection was waited on {waited_s:.1f} s"
+            assert len(opened) == 1 and opened[0].is_closed()
+            proxy.stall(0)
+
+
 async def test_a_heartbeat_counts_from_when_it_was_sent(
     ownership: PostgresOwnership, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from typing_extensions import override
 
 from app.db.migrate import upgrade
+from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.db.session import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
 from app.errors import AppError, ConfigError, SqliteFileBusy
@@ -362,9 +363,18 @@ def run(
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except AppError as exc:  # refused, as the API would refuse it
-        extra = "".join(f" ({name}: {value})" for name, value in exc.extra.items() if value)
-        raise click.ClickException(f"{exc.code}: {exc.detail}{extra}") from None
+        raise _refused(exc) from None
+    except DATABASE_ERRORS as exc:  # the API's 503 for an outage; a bug's traceback otherwise
+        if not is_outage(exc):
+            raise
+        raise _refused(unavailable(exc)) from None
     print_run(result, as_json=as_json)
+
+
+def _refused(exc: AppError) -> click.ClickException:
+    """A turn refused: its code and detail (and what the API's problem adds), exit 1."""
+    extra = "".join(f" ({name}: {value})" for name, value in exc.extra.items() if value)
+    return click.ClickException(f"{exc.code}: {exc.detail}{extra}")
 
 
 @main.command()

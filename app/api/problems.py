@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import logging
-import sqlite3
 from typing import Any
 
-import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 
-from app.db.outages import is_outage, unavailable
+from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.errors import (
     AppError,
     DatabaseUnavailable,
@@ -147,11 +143,8 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(AppError, _app_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(DBAPIError, _database_error)
-    app.add_exception_handler(asyncpg.PostgresError, _database_error)
-    app.add_exception_handler(sqlite3.Error, _database_error)
-    app.add_exception_handler(PoolTimeoutError, _database_error)
-    app.add_exception_handler(OSError, _database_error)  # ConnectionError, TimeoutError, …
+    for error in DATABASE_ERRORS:  # OSError among them: ConnectionError, TimeoutError, …
+        app.add_exception_handler(error, _database_error)
     app.add_exception_handler(Exception, _unexpected)
 
 

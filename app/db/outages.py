@@ -33,6 +33,10 @@ PG_CONNECTION_ERRORS = (
     OSError,
 )
 
+# What a failing database raises, up to the services' callers (the API's handlers, `run`):
+# `is_outage` tells which of them are outages.
+DATABASE_ERRORS = (DBAPIError, asyncpg.PostgresError, sqlite3.Error, PoolTimeoutError, OSError)
+
 # What a 503 database_unavailable says, by cause.
 UNREACHABLE_DETAIL = "The database cannot be reached; retry later."
 READ_ONLY_DETAIL = "The database is read-only (a standby?): it cannot store runs now."

@@ -4,6 +4,7 @@ from one that imported the service, as the test servers are: tests/support/forke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import pytest
 
+from app.db.urls import asyncpg_dsn
 from tests.crash.support import (
     FAILPOINT_EXIT,
     Json,
@@ -397,6 +400,38 @@ def test_run_meets_a_servers_turn_on_postgresql_as_another_replica_would(
     assert f"session_busy: Session {SESSION!r} has a run in progress" in busy.err
     assert f"(active_run_id: {held['run_id']})" in busy.err
     assert tool_server.count("slow_post") == 1  # the refused turn ran nothing
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def test_run_meets_a_database_outage_mid_turn_with_its_code_not_a_traceback(
+    commands: Commands, database_url: str
+) -> None:
+    # The turn's connections end while they wait on the session table (a failover): the API
+    # answers 503 database_unavailable, and `run` printed the driver's traceback instead.
+    async def end_what_waits_on_the_session_table() -> Finished:
+        dsn = asyncpg_dsn(database_url)
+        admin, locker = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+        try:
+            async with locker.transaction():
+                await locker.execute('LOCK TABLE "session" IN ACCESS EXCLUSIVE MODE')
+                running = commands.start("run", "echo", "hi", "--session-id", SESSION)
+                ended, deadline = 0, time.monotonic() + 60
+                while running.process.poll() is None and time.monotonic() < deadline:
+                    ended += await admin.fetchval(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    )
+                    await asyncio.sleep(0.05)
+            assert ended >= 1
+            return running.finish()
+        finally:
+            await admin.close()
+            await locker.close()
+
+    done = asyncio.run(end_what_waits_on_the_session_table())
+    assert (done.code, done.out) == (1, ""), done
+    assert "Error: database_unavailable: The database cannot be reached" in done.err, done.err
+    assert "Traceback" not in done.err, done.err
 
 
 @ONLY_SQLITE

@@ -335,24 +335,31 @@ class AgentRunner:
         limit = asyncio.Semaphore(agent.max_tool_concurrency)
         results: list[ToolResult] = []
         batch: list[ToolCall] = []
+        refused: list[Exception] = []  # the first failed ownership check of the batch
 
         async def limited(call: ToolCall) -> ToolResult:
             async with limit:
-                await journal.check_owned(turn)  # a runner that lost the session dispatches nothing
+                if refused:  # a sibling found the session lost: dispatch nothing more
+                    raise refused[0]
+                try:
+                    await journal.check_owned(turn)  # a runner that lost it dispatches nothing
+                except Exception as exc:
+                    refused.append(exc)
+                    raise
                 return await self._execute(turn, call=call, agent=agent)
 
         async def flush() -> None:
             if batch:
-                # A TaskGroup, not gather: when one call finds the session lost, the calls not
-                # yet dispatched are cancelled instead of running after the step was abandoned.
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        tasks = [group.create_task(limited(c)) for c in batch]
-                except ExceptionGroup as failed:
-                    # The ownership check's errors (handlers' become results): the first of
-                    # them, as a serial call raises it (SessionConflict a 409, an outage 503).
-                    raise _first_error(failed) from None
-                results.extend(t.result() for t in tasks)
+                # Not a TaskGroup: when one call finds the session lost, the calls already
+                # under way finish, as a serial call does (cancelled, a handler would be cut
+                # off mid-request); those not yet dispatched are not.
+                outcomes = await asyncio.gather(*map(limited, batch), return_exceptions=True)
+                failed = [o for o in outcomes if isinstance(o, BaseException)]
+                if failed:
+                    # The ownership check's errors (handlers' become results): the first, as
+                    # a serial call raises it (SessionConflict a 409, an outage 503).
+                    raise (refused or failed)[0]
+                results.extend(o for o in outcomes if not isinstance(o, BaseException))
                 batch.clear()
 
         for call in calls:
@@ -383,12 +390,6 @@ class AgentRunner:
     @staticmethod
     def _context(turn: Turn, *, call: ToolCall) -> ToolContext:
         return ToolContext(session_id=turn.session_id, run_id=turn.run_id, tool_call_id=call.id)
-
-
-def _first_error(group: BaseExceptionGroup[Exception]) -> Exception:
-    """The first exception of a group, unwrapping groups nested in it."""
-    first = group.exceptions[0]
-    return _first_error(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _failed(last_text: str | None, *, error: LLMError) -> RunEnd:

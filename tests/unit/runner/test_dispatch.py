@@ -203,3 +203,35 @@ async def test_losing_the_session_mid_step_stops_the_calls_not_yet_dispatched(
     assert journal.checks == [0, 1]  # the second check failed: b and c never ran
     assert journal.kinds() == ["step"]  # a's result is not written: the next run repairs it
     assert counted_tool_calls(metrics) == {("step", "ok"): 1}
+
+
+async def test_losing_the_session_mid_batch_lets_the_calls_under_way_finish(
+    registry: ToolRegistry, probe: Probe
+) -> None:
+    # c's check finds the session lost while a's handler is under way. Cancelled there, a
+    # handler is cut off mid-request (a side effect half done); it finishes instead, as a
+    # serial call does, and only the calls not yet dispatched are not.
+    calls = [
+        call("toolu_a", "fan", label="a", after="x"),  # under way until the test says
+        call("toolu_b", "fan", label="b"),
+        call("toolu_c", "fan", label="c"),
+    ]
+    journal = LosingJournal(owned=2)
+    metrics = Metrics()
+    task = asyncio.create_task(
+        run(registry, Model(calls), journal=journal, metrics=metrics, max_tool_concurrency=2)
+    )
+    await asyncio.wait_for(probe.finished("b").wait(), GUARD_S)
+    for _ in range(20):  # c takes b's place and its check fails
+        await asyncio.sleep(0)
+    assert len(journal.checks) == 3
+    assert not task.done()
+    assert ("end", "a") not in probe.order  # still under way: not cancelled
+    probe.finished("x").set()
+    with pytest.raises(SessionConflict):
+        await asyncio.wait_for(task, GUARD_S)
+
+    assert probe.order.index(("end", "a")) > probe.order.index(("end", "b"))
+    assert [label for event, label in probe.order if event == "start"] == ["a", "b"]
+    assert journal.kinds() == ["step"]  # no results written: the next run repairs a and b
+    assert counted_tool_calls(metrics) == {("fan", "ok"): 2}

@@ -34,7 +34,7 @@ from app.settings import Settings, load_env_file
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from app.api.deps import Lifecycle
+    from app.lifecycle import Lifecycle
 
 log = logging.getLogger("app.cli")
 

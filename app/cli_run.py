@@ -20,10 +20,10 @@ import click
 from pydantic import ValidationError
 
 from app.api.auth import ApiKeys
-from app.api.deps import Lifecycle
 from app.api.limits import MAX_BODY_BYTES
 from app.cli import STOP_SIGNALS, validation_problem
 from app.failpoints import Failpoints
+from app.lifecycle import Lifecycle
 from app.main import load_agents, open_services
 from app.metrics import Metrics
 from app.schemas.runs import IDEMPOTENCY_KEY_MAX_LENGTH, IDEMPOTENCY_KEY_PATTERN, RunCreate

@@ -11,7 +11,7 @@ from starlette.types import Lifespan
 
 from app.api import problems
 from app.api.auth import ApiKeys, RequireApiKey
-from app.api.deps import Lifecycle, Services, bearer_scheme, get_tenant, plain_parameters
+from app.api.deps import Services, bearer_scheme, get_tenant, plain_parameters
 from app.api.document import finish_document, operation_id
 from app.api.head import HeadAsGet
 from app.api.limits import BodySizeLimit
@@ -20,6 +20,7 @@ from app.db.migrate import head_revision
 from app.db.session import Database
 from app.errors import ConfigError
 from app.failpoints import Failpoints
+from app.lifecycle import Lifecycle
 from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
 from app.llm.scripted import unknown_script

@@ -7,9 +7,9 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.deps import Lifecycle
 from app.api.problems import problem_response
 from app.errors import PayloadTooLarge, ShuttingDown
+from app.lifecycle import Lifecycle
 
 MAX_BODY_BYTES = 1024 * 1024
 

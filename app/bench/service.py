@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
-from app.api.deps import Lifecycle
 from app.bench.database import (
     TransactionCounter,
     commit_floor,
@@ -49,6 +48,7 @@ from app.bench.scenario import (
 )
 from app.db.session import Database
 from app.failpoints import Failpoints
+from app.lifecycle import Lifecycle
 from app.llm.scripted import PREFIX as SCRIPTED
 from app.llm.scripted import ScriptedLLMClient
 from app.main import open_services

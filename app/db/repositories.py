@@ -229,16 +229,16 @@ class RunRepository:
 
 
 def delete_session(
-    conn: Connection, *, session_id: str, row_fence_sql: str, fence: dict[str, Any]
+    conn: Connection, *, session_id: str, fence_sql: str, fence: dict[str, Any]
 ) -> None:
     """Delete the session with its runs and messages (a Transactor body), only while the
-    ownership's row fence holds, as every durable write checks it: the session's row is
+    ownership's fence holds, as every durable write checks it: the session's row is
     locked first, so a write of whoever took the session over waits for this one and then
     finds nothing to write to. SessionConflict, and nothing deleted, if the fence does not
     hold."""
     owned = (
         select(models.Session.key)
-        .where(models.Session.id == session_id, text(row_fence_sql).bindparams(**fence))
+        .where(models.Session.id == session_id, text(fence_sql).bindparams(**fence))
         .with_for_update()
     )
     key = conn.execute(owned).scalar()

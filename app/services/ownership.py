@@ -111,17 +111,8 @@ class Ownership(Protocol):
         that carry it can be prepared once."""
         ...
 
-    @property
-    def row_fence_sql(self) -> str:
-        """`fence_sql` for a statement that updates or locks the session's row, which it
-        names `session`: asked again of the row's newest version when the statement waited
-        for another writer of the row (who may have taken the session meanwhile). Both
-        implementations now give the same SQL as `fence_sql` (PostgreSQL's is a volatile
-        call, asked per row anyway); the slot is for a fence that is not."""
-        ...
-
     def fence_params(self, session_id: str) -> dict[str, Any]:
-        """The bind parameters of `fence_sql` and `row_fence_sql` for a session."""
+        """The bind parameters of `fence_sql` for a session."""
         ...
 
     async def check(self, session_id: str) -> None:
@@ -208,11 +199,6 @@ class LocalOwnership(Ownership):
     @property
     @override
     def fence_sql(self) -> str:
-        return "1 = 1"
-
-    @property
-    @override
-    def row_fence_sql(self) -> str:
         return "1 = 1"
 
     @override

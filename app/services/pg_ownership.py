@@ -45,7 +45,6 @@ from app.services.ownership import ActiveRuns, Ownership
 from app.services.pg_locks import (
     HELD_AMONG_SQL,
     PG_FENCE_SQL,
-    PG_ROW_FENCE_SQL,
     SESSION_LOCK_HELD,
     Token,
     key_parts,
@@ -153,11 +152,6 @@ class PostgresOwnership(Ownership):
     @override
     def fence_sql(self) -> str:
         return PG_FENCE_SQL
-
-    @property
-    @override
-    def row_fence_sql(self) -> str:
-        return PG_ROW_FENCE_SQL
 
     @override
     def fence_params(self, session_id: str) -> dict[str, Any]:

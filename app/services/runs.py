@@ -68,9 +68,7 @@ class RunService:
     metrics: Metrics
 
     def __post_init__(self) -> None:
-        self.store = journal_store(
-            self.db, fence_sql=self.ownership.fence_sql, row_fence_sql=self.ownership.row_fence_sql
-        )
+        self.store = journal_store(self.db, fence_sql=self.ownership.fence_sql)
 
     async def settle(self) -> None:
         """At shutdown, before the database, the ownership and the tools' clients close: wait

@@ -176,7 +176,7 @@ class SessionService:
         delete = partial(
             delete_session,
             session_id=session_id,
-            row_fence_sql=self.ownership.row_fence_sql,
+            fence_sql=self.ownership.fence_sql,
             fence=self.ownership.fence_params(session_id),
         )
         try:

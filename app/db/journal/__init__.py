@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 
-def journal_store(db: Database, *, fence_sql: str, row_fence_sql: str) -> JournalStore:
+def journal_store(db: Database, *, fence_sql: str) -> JournalStore:
     """The store's way of writing, fenced by the ownership's SQL conditions."""
     if db.dialect == "postgresql":
-        return PostgresJournalStore(db.engine, fence_sql, row_fence_sql)
+        return PostgresJournalStore(db.engine, fence_sql)
     assert isinstance(db.writes, InlineTransactor)
-    return SqliteJournalStore(db.writes, fence_sql=fence_sql, row_fence_sql=row_fence_sql)
+    return SqliteJournalStore(db.writes, fence_sql=fence_sql)

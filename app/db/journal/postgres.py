@@ -99,7 +99,6 @@ class PostgresJournalStore(JournalStore):
 
     engine: AsyncEngine
     fence_sql: str
-    row_fence_sql: str
     observers: list[Callable[[int], None]] = field(default_factory=list)
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
     _state: _Statement = field(init=False)
@@ -296,7 +295,6 @@ class PostgresJournalStore(JournalStore):
     def _sql(self, shape: _Shape) -> str:
         claim = claim_sql(
             self.fence_sql,
-            row_fence_sql=self.row_fence_sql,
             create=shape.create,
             touch=shape.touch,
             types=True,

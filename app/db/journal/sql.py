@@ -71,10 +71,10 @@ STORED_COLUMNS = (
 )
 
 
-def claim_sql(fence_sql: str, *, row_fence_sql: str, create: bool, touch: bool, types: bool) -> str:
+def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
-    from `:expected` to `:new_count` — only while the fence holds (on the row: see
-    `Ownership.row_fence_sql`). `types` casts the parameters of a created session to their
+    from `:expected` to `:new_count` — only while the fence holds (asked of the row's
+    newest version: see `PG_FENCE_SQL`). `types` casts the parameters of a created session to their
     column types."""
     if create:
         values = ", ".join(
@@ -85,7 +85,7 @@ def claim_sql(fence_sql: str, *, row_fence_sql: str, create: bool, touch: bool, 
         )
     return (
         f"UPDATE session SET message_count = :new_count{', updated_at = :now' if touch else ''}"
-        f" WHERE id = :session_id AND message_count = :expected AND {row_fence_sql}"
+        f" WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
     )
 
 

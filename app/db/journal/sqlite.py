@@ -46,13 +46,11 @@ class SqliteJournalStore(JournalStore):
     )
     INTERRUPTED = interrupted_sql("id = :id")
 
-    def __init__(self, writes: InlineTransactor, *, fence_sql: str, row_fence_sql: str) -> None:
+    def __init__(self, writes: InlineTransactor, *, fence_sql: str) -> None:
         self._writes = writes
         self.observers: list[Callable[[int], None]] = []
         self._claims = {
-            (create, touch): claim_sql(
-                fence_sql, row_fence_sql=row_fence_sql, create=create, touch=touch, types=False
-            )
+            (create, touch): claim_sql(fence_sql, create=create, touch=touch, types=False)
             for create in (False, True)
             for touch in (False, True)
         }

@@ -39,7 +39,7 @@ def journal_on(
     """A DurableJournal on `db`, fenced by `ownership` (LocalOwnership unless given: see
     above), reaching `failpoints` (none unless given)."""
     ownership = ownership or LocalOwnership()
-    store = journal_store(db, fence_sql=ownership.fence_sql, row_fence_sql=ownership.row_fence_sql)
+    store = journal_store(db, fence_sql=ownership.fence_sql)
     return DurableJournal(
         store, failpoints=failpoints or Failpoints.parse(None), ownership=ownership, metrics=metrics
     )

@@ -64,7 +64,7 @@ def fenced_delete(owner: PostgresOwnership) -> Callable[[Connection], None]:
     return partial(
         delete_session,
         session_id=SESSION,
-        row_fence_sql=owner.row_fence_sql,
+        fence_sql=owner.fence_sql,
         fence=owner.fence_params(SESSION),
     )
 

@@ -70,7 +70,7 @@ async def test_the_start_stores_a_new_session_and_the_running_run(
 async def test_the_store_reports_the_stored_count_and_run_status(db: Database) -> None:
     # What a re-take compares with the turn's own account (Turn.stored_state).
     ownership = LocalOwnership()
-    store = journal_store(db, fence_sql=ownership.fence_sql, row_fence_sql=ownership.row_fence_sql)
+    store = journal_store(db, fence_sql=ownership.fence_sql)
     journal = DurableJournal(
         store, failpoints=Failpoints.parse(None), ownership=ownership, metrics=Metrics()
     )

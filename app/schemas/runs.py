@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
@@ -17,17 +18,34 @@ IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
 IDEMPOTENCY_KEY_MAX_LENGTH = 255
 
 
+# The patterns /openapi.json shows for the checks below (`_no_nul`, `_not_blank`), which
+# enforce them. NOT_BLANK is a character that is white space neither by Python's count
+# (`str.isspace`) nor by ECMA-262's (a client's JSON Schema validator): they differ in
+# \x1c-\x1f, \x85 and \ufeff. It is written in the syntax both share.
+NO_NUL = "^[^\\x00]*$"
+NOT_BLANK = (
+    "[^\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a"
+    "\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff]"
+)
+_NOT_BLANK = re.compile(NOT_BLANK)
+
+
 class RunCreate(BaseModel):
     """Run one turn of an agent."""
 
     model_config = ConfigDict(extra="forbid")
 
-    agent: str = Field(min_length=1, max_length=64)
+    agent: str = Field(min_length=1, max_length=64, json_schema_extra={"pattern": NO_NUL})
     # No length limit of its own: the 1 MiB body limit (app/api/limits.py) is the contract's.
-    # The pattern documents the white-space check below (`_not_blank`) in /openapi.json.
-    message: str = Field(min_length=1, json_schema_extra={"pattern": "\\S"})
+    message: str = Field(
+        min_length=1,
+        description="At least one character other than white space, and no NUL.",
+        json_schema_extra={"pattern": NOT_BLANK},
+    )
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
-    user_id: str | None = Field(default=None, min_length=1, max_length=128)
+    user_id: str | None = Field(
+        default=None, min_length=1, max_length=128, json_schema_extra={"pattern": NO_NUL}
+    )
     metadata: dict[str, Any] | None = None
 
     @field_validator("agent", "message", "user_id")
@@ -43,7 +61,7 @@ class RunCreate(BaseModel):
     def _not_blank(cls, value: str) -> str:
         # The Messages API refuses a text block of white space only: the model call would
         # fail with the user's message never stored.
-        if not value.strip():
+        if _NOT_BLANK.search(value) is None:
             raise ValueError("must contain a character other than white space")
         return value
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openapi_spec_validator
 import pytest
 
 from app.errors import AppError
 from app.main import create_app
+from app.schemas.runs import NOT_BLANK
 from app.settings import Settings
 from tests.api.helpers import PROBLEM_JSON, Json, listing
 
@@ -319,3 +322,49 @@ def test_types_a_generated_client_relies_on(openapi: Json) -> None:
     ready = operations(openapi)[("get", "/readyz")]["responses"]["200"]
     ready_ref = ready["content"]["application/json"]["schema"]["$ref"]
     assert set(schemas[ready_ref.rsplit("/", 1)[-1]]["required"]) == {"status", "schema"}
+
+
+def _ecma_white_space(c: str) -> bool:
+    """ECMA-262's WhiteSpace and LineTerminator, what `\\s` means to a client's validator."""
+    return c in "\t\n\v\f\r\u2028\u2029\ufeff" or unicodedata.category(c) == "Zs"
+
+
+def test_the_not_blank_pattern_means_the_same_in_python_and_in_ecma_262() -> None:
+    # A client's JSON Schema validator reads patterns as ECMA-262 does; the service's check
+    # goes by Python's str.isspace. They differ (\x1c-\x1f, \x85, \ufeff): `\S` told clients
+    # that "\x1c" was a message (the service refused it) and "\ufeff" was not (it ran it).
+    # The pattern is a character class of single characters, read alike by both.
+    assert not re.search(r"\\[sSwWdDbB]", NOT_BLANK), NOT_BLANK
+    pattern = re.compile(NOT_BLANK)
+    mismatched = [
+        hex(code)
+        for code in range(0x110000)
+        if not 0xD800 <= code <= 0xDFFF
+        if (pattern.fullmatch(c := chr(code)) is None) != (c.isspace() or _ecma_white_space(c))
+    ]
+    assert mismatched == []
+
+
+async def test_the_run_body_refuses_what_its_schema_refuses(
+    memory_client: httpx.AsyncClient, openapi: Json
+) -> None:
+    # The body's documented patterns (white space, NUL) against what the service answers. A
+    # message's NUL is in its description only: one pattern cannot say both, linearly.
+    schema = {**openapi["components"]["schemas"]["RunCreate"], "components": openapi["components"]}
+    validator = jsonschema.Draft202012Validator(schema)
+    bodies = [
+        {"agent": "echo", "message": message}
+        for message in ["\x1c", "\x85", "\ufeff", " \u3000\t", "a", "\ufeffa", " a "]
+    ]
+    bodies += [
+        {"agent": "echo\x00", "message": "hi"},
+        {"agent": "echo", "message": "hi", "user_id": "u\x00"},
+    ]
+    outcomes = {}
+    for body in bodies:
+        response = await memory_client.post("/v1/runs", json=body)
+        outcomes[json.dumps(body)] = (response.status_code, validator.is_valid(body))
+    assert outcomes == {
+        key: (200, True) if status == 200 else (422, False) for key, (status, _) in outcomes.items()
+    }
+    assert sorted(status for status, _ in outcomes.values()) == [200] * 3 + [422] * 6

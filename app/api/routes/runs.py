@@ -48,7 +48,8 @@ IdempotencyKey = Annotated[
         min_length=1,
         max_length=IDEMPOTENCY_KEY_MAX_LENGTH,
         pattern=IDEMPOTENCY_KEY_PATTERN,
-        description="Names one turn of the session: a retry replays or continues it.",
+        description="Names one turn of the session: a retry replays or continues it. Only with"
+        " a session_id: without one the request is 422 validation_error.",
     ),
     # An optional header is absent, never null: a generated client must not offer to send None.
     WithJsonSchema(

@@ -151,7 +151,8 @@ def support_script(request: ModelRequest) -> ModelResponse:
     # API message as this turn's text, so they count as this turn's news.
     for result in [*results.values(), *repaired_before_turn(request.messages)]:
         if is_durability_error(result.content):
-            return final(_interrupted_report(result, order_id=order_id))
+            about = _order_of_call(request.messages, call_id=result.tool_call_id) or order_id
+            return final(_interrupted_report(result, order_id=about, asked=order_id))
     # "Never send the same email twice" (its system prompt): unless asked to send it again.
     if not turn and AGAIN.search(user_text) is None:
         earlier = request.messages[: len(request.messages) - 1]
@@ -262,17 +263,32 @@ def _message_id(result: Message) -> str:
     return f" (message id {message_id})" if message_id else ""
 
 
-def _interrupted_report(result: Message, *, order_id: str) -> str:
+def _order_of_call(messages: list[Message], *, call_id: str | None) -> str | None:
+    """The order a call was about (lookup_order's order_id, send_email's subject)."""
+    for message in messages:
+        for call in message.tool_calls:
+            if call.id == call_id:
+                named = str(call.arguments.get("order_id") or call.arguments.get("subject", ""))
+                return match.group(1).upper() if (match := ORDER_ID.search(named)) else None
+    return None
+
+
+def _interrupted_report(result: Message, *, order_id: str, asked: str) -> str:
+    """What a call the crash cut off (`order_id`'s) means; `asked`: this turn's order."""
     if result.tool_name == "send_email":
-        return (
+        report = (
             f"I was interrupted while emailing {CUSTOMER} about order {order_id}, so the email "
             "may or may not have been sent. I will not resend it without checking first: "
             "please check the outbox (or ask me to send it again if it did not go out)."
         )
-    return (
-        f"I was interrupted during {result.tool_name} for order {order_id}; it may or may not "
-        "have taken effect. I will not repeat it without checking first."
-    )
+    else:
+        report = (
+            f"I was interrupted during {result.tool_name} for order {order_id}; it may or may"
+            " not have taken effect. I will not repeat it without checking first."
+        )
+    if asked != order_id:
+        report += f" Ask me about order {asked} again and I will look it up."
+    return report
 
 
 register_script("echo", fn=echo_script)

@@ -261,3 +261,22 @@ async def test_support_does_not_send_the_same_email_twice_unless_asked_again(
     again = await run_turn(history, "Please send the A-5 email again", outbox, monkeypatch)
     assert [c.name for r in other + again for c in r.tool_calls].count("send_email") == 2
     assert len(outbox.read_text().splitlines()) == 3
+
+
+async def test_support_names_the_order_of_the_call_a_crash_cut_off() -> None:
+    # The crash cut off the email about A-7; the resubmission asks about A-8. The report is
+    # about A-7's email (it named A-8's), and says A-8 is still to be asked about.
+    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
+    email = ToolCall("toolu_1", "send_email", {"to": "c@example.com", "subject": "Your order A-7"})
+    history = [
+        Message.user("Where is order A-7? (slow)"),
+        Message.assistant("", tool_calls=[lookup]),
+        Message.tool(ToolResult.ok(lookup, value=fake_order("A-7"))),
+        Message.assistant("", tool_calls=[email]),
+        Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
+        Message.user("and order A-8?"),
+    ]
+    response = await complete(history)
+    assert response.tool_calls == []
+    assert "interrupted while emailing customer@example.com about order A-7" in response.text
+    assert "Ask me about order A-8 again" in response.text

@@ -71,17 +71,23 @@ def run_body(agent: str, *, session_id: str | None = SESSION, message: str = MES
     return body
 
 
-def crash_run(server: ServerProcess, body: Json) -> None:
+def crash_run(server: ServerProcess, body: Json, *, headers: dict[str, str] | None = None) -> None:
     """POST `body` to a server armed with a failpoint and see the process die there."""
     with server.client(timeout=30) as client, pytest.raises(httpx.TransportError):
-        client.post("/v1/runs", json=body)
+        client.post("/v1/runs", json=body, headers=headers)
     assert server.wait() == FAILPOINT_EXIT, server.logs()
 
 
-def kill_in_handler(server: ServerProcess, body: Json, tool_server: ToolServer) -> None:
+def kill_in_handler(
+    server: ServerProcess,
+    body: Json,
+    tool_server: ToolServer,
+    *,
+    headers: dict[str, str] | None = None,
+) -> None:
     """POST `body` and SIGKILL the server while its `/slow_post` handler is in flight."""
     with server.client(timeout=30) as client, ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(client.post, "/v1/runs", json=body)
+        pending = pool.submit(client.post, "/v1/runs", json=body, headers=headers)
         assert tool_server.in_flight.wait(timeout=30), server.logs()
         server.kill()
         with pytest.raises(httpx.TransportError):
@@ -130,9 +136,9 @@ def session_status(client: httpx.Client, session_id: str = SESSION) -> str | Non
     return status
 
 
-def post_run(client: httpx.Client, body: Json) -> Json:
+def post_run(client: httpx.Client, body: Json, *, headers: dict[str, str] | None = None) -> Json:
     """POST /v1/runs, expecting 200; the run."""
-    response = client.post("/v1/runs", json=body)
+    response = client.post("/v1/runs", json=body, headers=headers)
     assert response.status_code == 200, response.text
     run: Json = response.json()
     return run

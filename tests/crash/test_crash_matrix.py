@@ -4,7 +4,9 @@ Each case starts `agent-runner serve` armed with one failpoint (or SIGKILLs it w
 is in flight), lets it die inside a durable run, reads what was committed from a restarted
 server, then resubmits the same session and message and checks the resume: nothing committed
 is lost, every orphaned call gets exactly one result (a re-run for `safe_to_retry`, the
-durability error otherwise), and no side effect runs twice.
+durability error otherwise), and no side effect runs twice. Each case runs twice: resubmitted
+without an Idempotency-Key (a new turn; the crashed run `interrupted`), and with the crashed
+request's key (§4: the same turn continued under its run_id, its user message stored once).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from tests.support.tool_server import ToolServer
 pytestmark = pytest.mark.crash
 
 SAFE_TOOL = "get_issue"
+KEY = {"Idempotency-Key": "turn-1"}
 
 
 # --- the matrix -----------------------------------------------------------------------------
@@ -110,13 +113,15 @@ class Crashed:
     model_calls: int
 
 
-def crash(case: Case, server: ServerProcess, tool_server: ToolServer) -> None:
+def crash(
+    case: Case, server: ServerProcess, tool_server: ToolServer, *, headers: dict[str, str] | None
+) -> None:
     """Run the case's request on `server` and see it die in the case's window."""
     body = run_body(case.agent)
     if case.kill:
-        kill_in_handler(server, body, tool_server)
+        kill_in_handler(server, body, tool_server, headers=headers)
     else:
-        crash_run(server, body)
+        crash_run(server, body, headers=headers)
 
 
 def check_snapshot(case: Case, crashed: Crashed, tool_server: ToolServer) -> list[Json]:
@@ -210,7 +215,7 @@ def check_resumed(
     for call in (c for m in crashed.snapshot for c in m["tool_calls"] if c["id"] in answered):
         key = (call["name"], call["id"])
         assert counts[key] == crashed.ran[key] == 1, "a call answered before the crash ran again"
-    assert set(tool_server.per_call(case.side_effect).values()) == {1}
+    assert set(tool_server.per_call(case.side_effect).values()) <= {1}
     assert_idempotency_keys(tool_server)
 
 
@@ -239,9 +244,30 @@ def check_runs(client: httpx.Client, crashed: Crashed, run: Json, history: list[
     assert (session["status"], session["message_count"]) == ("idle", len(history))
 
 
+def check_continued(
+    client: httpx.Client, case: Case, crashed: Crashed, run: Json, history: list[Json]
+) -> None:
+    """The keyed resubmission continued the crashed turn: one run, `complete`, holding the
+    whole turn and its one user message; the same key again answers its record."""
+    runs = get_json(client, f"/v1/sessions/{SESSION}/runs")["data"]
+    assert [(r["run_id"], r["status"]) for r in runs] == [(run["run_id"], "complete")]
+    if crashed.snapshot:
+        assert crashed.snapshot[0]["run_id"] == run["run_id"]
+    assert [m["seq"] for m in run["messages"]] == [m["seq"] for m in history]
+    assert [m["content"] for m in history if m["role"] == "user"] == [MESSAGE]
+    replayed = client.post("/v1/runs", json=run_body(case.agent), headers=KEY)
+    assert replayed.status_code == 200, replayed.text
+    assert replayed.headers.get("idempotent-replayed") == "true"
+    assert replayed.json() == run
+    session = get_json(client, f"/v1/sessions/{SESSION}")
+    assert (session["status"], session["message_count"]) == ("idle", len(history))
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "keyed"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_crash_then_resume(
     case: Case,
+    keyed: bool,
     tmp_path: Path,
     database_url: str,
     fake_model: FakeAnthropic,
@@ -256,8 +282,9 @@ def test_crash_then_resume(
         label="crashed",
         failpoints=case.failpoints,
     )
+    headers = KEY if keyed else None
     with server:
-        crash(case, server, tool_server)
+        crash(case, server, tool_server, headers=headers)
     ran = Counter((i.tool, i.tool_call_id) for i in tool_server.invocations)
     model_calls = len(fake_model.requests)
     tool_server.release()  # the next slow_post answers at once
@@ -271,7 +298,7 @@ def test_crash_then_resume(
     with resumed, resumed.client() as client:
         crashed = Crashed(list_messages(client), session_status(client), ran, model_calls)
         orphans = check_snapshot(case, crashed, tool_server)
-        run = post_run(client, run_body(case.agent))
+        run = post_run(client, run_body(case.agent), headers=headers)
         history = list_messages(client)
         resumed_request = fake_model.requests[model_calls]
         if not crashed.snapshot:
@@ -281,4 +308,9 @@ def test_crash_then_resume(
             ]
         errors = check_repairs(case, crashed, orphans, history, tool_server, resumed_request)
         check_resumed(case, crashed, run, history, tool_server, errors)
-        check_runs(client, crashed, run, history)
+        if keyed:
+            check_continued(client, case, crashed, run, history)
+        else:
+            check_runs(client, crashed, run, history)
+            # A new turn with the same message: it posts (once) whatever the crashed one did.
+            assert set(tool_server.per_call(case.side_effect).values()) == {1}

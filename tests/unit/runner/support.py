@@ -176,6 +176,10 @@ class RecordingJournal(StatelessJournal):
         self.checks.append(len(PROBE.calls))
 
     async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+        # A real write waits on the database: a dispatch started alongside it, not after
+        # it, would run meanwhile, and the probe would see it ahead of write #1.
+        for _ in range(5):
+            await asyncio.sleep(0)
         await super().record_step(turn, assistant=assistant)
         self.records.append(("step", assistant))
 

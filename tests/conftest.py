@@ -167,6 +167,21 @@ def _demo_outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEMO_OUTBOX", str(tmp_path / "outbox.jsonl"))
 
 
+# Fixtures only a PostgreSQL test asks for (directly or through another fixture).
+PG_FIXTURES = {"pg_template", "pg_admin", "another_pg_database_url"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on PostgreSQL carries the `postgres` marker, however it came to be on it
+    (a `backend` parameter of any id, a PostgreSQL fixture): `-m postgres` selects it, and
+    in CI its skip is a failure (below)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_backend = callspec is not None and callspec.params.get("backend") == "postgres"
+        if on_backend or PG_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.postgres)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """In CI (AGENT_RUNNER_REQUIRE_POSTGRES=1) a skipped PostgreSQL test is a failure."""

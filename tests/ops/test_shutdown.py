@@ -164,7 +164,12 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
             cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
             _sigterm(first)
             assert first.process is not None
-            time.sleep(3.5)  # the grace is over: the step's call still runs, and holds the exit
+            wait_for(
+                lambda: "finishing its step first" in first.logs(),
+                timeout=20,
+                what="the grace's end",
+            )
+            time.sleep(1)  # past the grace, the step's call still runs, and holds the exit
             assert first.process.poll() is None, first.logs()
             assert not cut_off.done()
             tool_server.release()
@@ -295,7 +300,10 @@ def test_sigterm_answers_a_body_still_arriving_at_once(
                 b'Content-Length: 100\r\n\r\n{"ag'
             )
             uploads.append(upload)
-        time.sleep(0.5)  # the bodies are being read
+        # A connection made after these is answered only once the server has read their
+        # heads: each connection's bytes are parsed as they arrive, in order.
+        with server.client() as client:
+            assert client.get("/healthz").status_code == 200
         sent = _sigterm(server)
         answers = [_read_until_closed(upload) for upload in uploads]
         assert server.process is not None and server.process.wait(timeout=15) == 0, server.logs()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
@@ -10,10 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.crash import support as crash_support
+
 Json = dict[str, Any]
 
 PROBLEM_JSON = "application/problem+json"
-DURABILITY_KIND = "tool-durability-error"
 
 # Overrides the `backend` fixture's parameters: the test runs on PostgreSQL only.
 POSTGRES_ONLY = pytest.mark.parametrize(
@@ -182,24 +182,9 @@ def user_messages(messages: list[Json], text: str) -> list[Json]:
 
 
 def assert_durability_error(message: Json, *, tool: str, call_id: str) -> None:
-    """`message` is the durability error of CONTRACT §2 for this call."""
-    assert message["is_error"] is True, message
-    content = json.loads(message["content"])
-    assert content.keys() == {"error", "kind", "toolName", "toolCallId"}, content
-    assert content["kind"] == DURABILITY_KIND
-    assert (content["toolName"], content["toolCallId"]) == (tool, call_id)
+    """`message` is the durability error of CONTRACT §2 for this call (tests/crash's check)."""
+    crash_support.assert_durability_error(message, {"id": call_id, "name": tool})
 
 
-def assert_history_consistent(messages: list[Json]) -> None:
-    """Gap-free seqs; each tool call answered exactly once, right after its assistant message."""
-    assert [m["seq"] for m in messages] == list(range(1, len(messages) + 1))
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant" or not message["tool_calls"]:
-            continue
-        wanted = [c["id"] for c in message["tool_calls"]]
-        following = messages[index + 1 : index + 1 + len(wanted)]
-        assert sorted(m["tool_call_id"] for m in following if m["role"] == "tool") == sorted(
-            wanted
-        ), (message, following)
-    answered = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
-    assert len(answered) == len(set(answered)), answered
+# The crash tests' check of a whole history: one check for every test of it.
+assert_history_consistent = crash_support.assert_history_consistent

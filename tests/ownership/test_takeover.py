@@ -96,9 +96,9 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
     finally:
         a.process.send_signal(signal.SIGCONT)
     answer = on_a.join(15)
-    if isinstance(answer, httpx.Response):
-        lost = assert_problem(answer, 409, "session_busy")
-        assert lost["active_run_id"] == run["run_id"]  # the run that took the session over
+    assert isinstance(answer, httpx.Response), answer  # A lives on: it answers, refusing
+    lost = assert_problem(answer, 409, "session_busy")
+    assert lost["active_run_id"] == run["run_id"]  # the run that took the session over
     time.sleep(1.5)  # A's chance to misbehave: a late write or tool call would land by now
     assert tool_server.invocations == invocations
     assert [i.tool for i in invocations] == ["get_issue", "post_slack"], invocations
@@ -203,8 +203,8 @@ def test_holder_that_lost_its_lock_dispatches_no_further_tool(
     assert_durability_error(result_of(messages, post["id"]), tool="post_slack", call_id=post["id"])
     tool_server.release()  # A's slow_post handler answers; A goes on with its step
     answer = on_a.join(15)
-    if isinstance(answer, httpx.Response):
-        assert_problem(answer, 409, "session_busy")
+    assert isinstance(answer, httpx.Response), answer  # A lives on: it answers, refusing
+    assert_problem(answer, 409, "session_busy")
     assert tool_server.per_call("slow_post") == {slow.tool_call_id: 1}
     assert tool_server.count("post_slack") == 0, tool_server.invocations
     with b.client() as client:

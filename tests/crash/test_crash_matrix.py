@@ -172,6 +172,8 @@ def check_repairs(
         stored = result_of(history, call["id"])
         if call["name"] == SAFE_TOOL:
             assert counts[key] == crashed.ran[key] + 1, "a safe_to_retry orphan is re-invoked once"
+            sent = [i.body for i in tool_server.invocations if i.tool_call_id == call["id"]]
+            assert sent == [call["arguments"]] * counts[key], "re-invoked with other arguments"
             assert_real_issue(stored, call)
         else:
             assert call["name"] == case.side_effect

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,124 +13,20 @@ from tests.crash.support import (
     ISSUE,
     MESSAGE,
     SESSION,
-    Json,
-    assert_durability_error,
     assert_history_consistent,
-    assert_idempotency_keys,
-    assert_real_issue,
     crash_run,
     final_text,
     list_messages,
     post_run,
-    result_of,
     run_body,
     server_maker,
     server_process,
-    session_status,
 )
 from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
 
-
-@dataclass(frozen=True)
-class Resumed:
-    """A triage turn that crashed, and its resubmission."""
-
-    before: list[Json]  # the history read after the restart, before resubmitting
-    status_before: str | None
-    run: Json
-    history: list[Json]
-    status_after: str | None
-
-    def call(self, name: str) -> Json:
-        """The crashed step's call of tool `name`."""
-        calls: list[Json] = self.before[-1]["tool_calls"]
-        (found,) = [c for c in calls if c["name"] == name]
-        return found
-
-
-def crash_and_resume(
-    failpoint: str,
-    *,
-    tmp_path: Path,
-    database_url: str,
-    fake_model: FakeAnthropic,
-    tool_server: ToolServer,
-) -> Resumed:
-    """Crash a `triage` turn at `failpoint`, restart without failpoints, resubmit it."""
-
-    server = server_maker(
-        tmp_path, database_url=database_url, fake_model=fake_model, tool_server=tool_server
-    )
-    crashing = server(label="crashed", failpoints=failpoint)
-    with crashing:
-        crash_run(crashing, run_body("triage"))
-    with server(label="resumed") as resumed, resumed.client() as client:
-        before = list_messages(client)
-        status_before = session_status(client)
-        run = post_run(client, run_body("triage"))
-        return Resumed(before, status_before, run, list_messages(client), session_status(client))
-
-
-@pytest.mark.crash
-def test_side_effect_not_reinvoked_after_crash(
-    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
-) -> None:
-    """post_slack ran, the runner died before write #2: no second post, the durability error."""
-    resumed = crash_and_resume(
-        "after-handlers",
-        tmp_path=tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
-    )
-    call = resumed.call("post_slack")
-    assert tool_server.per_call("post_slack")[call["id"]] == 1
-    assert set(tool_server.per_call("post_slack").values()) == {1}
-    assert_durability_error(result_of(resumed.history, call["id"]), call)
-    assert resumed.run["status"] == "complete"
-    assert resumed.run["response"] == final_text(1, [call])
-    assert_history_consistent(resumed.history)
-
-
-@pytest.mark.crash
-def test_safe_to_retry_tool_reinvoked_after_crash(
-    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
-) -> None:
-    """get_issue ran, the runner died before write #2: it runs again and its result is kept."""
-    resumed = crash_and_resume(
-        "after-handlers",
-        tmp_path=tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
-    )
-    call = resumed.call("get_issue")
-    again = [i for i in tool_server.invocations if i.tool_call_id == call["id"]]
-    assert [(i.tool, i.body) for i in again] == [("get_issue", call["arguments"])] * 2
-    assert_idempotency_keys(tool_server)  # the re-run carries the same key as the first run
-    assert_real_issue(result_of(resumed.history, call["id"]), call)
-    assert resumed.run["status"] == "complete"
-    assert_history_consistent(resumed.history)
-
-
-@pytest.mark.crash
-def test_session_needs_resume_until_resubmitted(
-    tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
-) -> None:
-    """After a crash between write #1 and write #2 the session says so until it is resumed."""
-    resumed = crash_and_resume(
-        "after-write-1",
-        tmp_path=tmp_path,
-        database_url=database_url,
-        fake_model=fake_model,
-        tool_server=tool_server,
-    )
-    assert [m["role"] for m in resumed.before] == ["user", "assistant"]
-    assert resumed.status_before == "needs_resume"
-    assert resumed.run["status"] == "complete"
-    assert resumed.status_after == "idle"
+# The crash windows themselves, keyed and not, are test_crash_matrix.py's.
 
 
 def test_memory_store_refuses_session_before_any_work(

@@ -45,15 +45,22 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def _settings(*, quiet: bool = False) -> Settings:
     """The environment's settings, logging configured by them; `quiet`: warnings and errors
     only, unless LOG_LEVEL is set."""
-    load_env_file()
     try:
+        load_env_file()
         settings = Settings()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     except ValidationError as exc:
-        problems = "; ".join(validation_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
-        raise click.ClickException(f"invalid environment: {problems}") from None
+        raise _invalid_environment(exc) from None
     quiet = quiet and "log_level" not in settings.model_fields_set
     configure_logging("WARNING" if quiet else settings.log_level, fmt=settings.log_format)
     return settings
+
+
+def _invalid_environment(exc: ValidationError) -> click.ClickException:
+    """Settings the environment (or `.env`) gives that do not validate, one line each."""
+    problems = "; ".join(validation_problem(e["loc"], msg=e["msg"]) for e in exc.errors())
+    return click.ClickException(f"invalid environment: {problems}")
 
 
 def validation_problem(loc: tuple[int | str, ...], *, msg: str, variable: bool = True) -> str:
@@ -263,6 +270,8 @@ def bench(
         report = run_bench(options)
     except (BenchError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from exc
+    except ValidationError as exc:  # the service layer's settings: DATABASE_POOL_SIZE, …
+        raise _invalid_environment(exc) from None
     except (
         DBAPIError,
         asyncpg.PostgresError,

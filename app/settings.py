@@ -4,10 +4,12 @@ hands its environment on to the server it starts)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Literal
 
 from dotenv import load_dotenv
+from dotenv.parser import parse_stream
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -20,7 +22,8 @@ class Settings(BaseSettings):
     """Environment variables: CONTRACT.md §5's, as named there, and this service's own (the
     README's Configuration table lists them all)."""
 
-    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+    # `.env` is read into the environment by `load_env_file`, once, for everything.
+    model_config = SettingsConfigDict(extra="ignore")
 
     database_url: str = "sqlite:///agent_runner.db"
     agents_file: Path | None = None
@@ -76,8 +79,22 @@ class Settings(BaseSettings):
         return value.upper() if isinstance(value, str) else value
 
 
-def load_env_file() -> None:
+def load_env_file(path: Path = Path(".env")) -> None:
     """Put the variables of `.env` (in the working directory) into the environment, where
     it does not set them already, so that what reads the environment itself sees them too:
-    the anthropic SDK (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL) and the example tools."""
-    load_dotenv(Path(".env"), override=False)
+    the anthropic SDK (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL) and the example tools.
+
+    ConfigError for a file that cannot be read, or a line that is not NAME=value: skipped,
+    such a line would start the service without it (an API_KEYS line: with no auth)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read: {exc}") from None
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.error:  # its text may hold a secret: name the line only
+            raise ConfigError(
+                f"{path} line {binding.original.line} is not NAME=value (a quote left open?)"
+            )
+    load_dotenv(stream=io.StringIO(text), override=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -32,6 +33,7 @@ from app.bench.scenario import (
     api_reply,
 )
 from app.bench.service import check_run, check_side_effects, sessions_of
+from app.db.urls import sqlite_file
 from app.schemas.runs import RunRead
 from app.serving import ServeProcess, ThreadedServer
 
@@ -61,8 +63,13 @@ def scenario_app(steps: int) -> Starlette:
 
 
 def server_env(database_url: str, *, agents_file: Path, model_url: str) -> dict[str, str]:
-    """The server's environment: ours, minus anything that would change what it does."""
+    """The server's environment: ours, minus anything that would change what it does. A
+    SQLite file is named by its absolute path: the server runs in the bench's folder."""
     dropped = ("ANTHROPIC_", "API_KEYS", "FAILPOINTS", "DATABASE_", "AGENTS_FILE", "LOG_")
+    if (path := sqlite_file(database_url)) is not None:
+        database_url = (
+            make_url(database_url).set(database=str(path)).render_as_string(hide_password=False)
+        )
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith(dropped)},
         "DATABASE_URL": database_url,
@@ -79,7 +86,10 @@ def _session(client: httpx.Client, *, durable: bool, steps: int) -> float:
     if durable:
         body["session_id"] = f"bench-http-{os.urandom(12).hex()}"
     start = time.perf_counter()
-    response = client.post("/v1/runs", json=body)
+    try:
+        response = client.post("/v1/runs", json=body)
+    except httpx.TransportError as exc:
+        raise BenchError(f"agent-runner serve stopped answering ({exc!r})") from exc
     elapsed = (time.perf_counter() - start) * 1000
     if response.status_code != 200:
         raise BenchError(f"POST /v1/runs answered {response.status_code}: {response.text[:500]}")
@@ -134,7 +144,9 @@ def measure_http(database_url: str, *, options: BenchOptions, workdir: Path) -> 
         tools = agents_yaml({AGENT: (HTTP_MODEL, options.steps)}, tools_url=f"{fake.url}/tools")
         agents_file.write_text(tools)
         env = server_env(database_url, agents_file=agents_file, model_url=fake.url)
-        server = ServeProcess(env=env, log_path=workdir / "server.log")
+        # In the bench's folder: a `.env` where the bench was started must not give the
+        # server back what server_env left out.
+        server = ServeProcess(env=env, log_path=workdir / "server.log", cwd=workdir)
         try:
             server.start()
         except RuntimeError as exc:

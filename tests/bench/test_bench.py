@@ -380,3 +380,23 @@ def test_a_stop_just_as_the_schema_is_made_leaves_no_schema(
     monkeypatch.undo()
     assert stopped
     assert _bench_schemas(database_url) == 0
+
+
+def test_a_env_file_where_the_bench_starts_changes_nothing_of_its_server(tmp_path: Path) -> None:
+    # The bench leaves API_KEYS and FAILPOINTS out of its server's environment; run in the
+    # bench's folder, the server read them back from a .env there: 401s, or a server dead
+    # at its first write. A SQLite file named relative to here is the same file for both.
+    (tmp_path / ".env").write_text("API_KEYS=k1:t1\nFAILPOINTS=after-write-1\n")
+    here = ["--database-url", "sqlite:///here.db"]
+    result = subprocess.run(
+        [AGENT_RUNNER, "bench", "--json", *TINY, "--concurrency", "1", *here],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["http"] is not None, report
+    assert (tmp_path / "here.db").exists()

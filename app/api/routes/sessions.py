@@ -32,7 +32,11 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 # A list's own next_after: opaque for sessions and runs, a message's seq for the history.
 After = Annotated[
     str | None,
-    Query(max_length=512, pattern="^[A-Za-z0-9_-]*$", description="Opaque: a next_after this list returned (any other is 422)."),
+    Query(
+        max_length=512,
+        pattern="^[A-Za-z0-9_-]*$",
+        description="Opaque: a next_after this list returned (any other is 422).",
+    ),
 ]
 AfterSeq = Annotated[
     str | None,

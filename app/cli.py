@@ -105,7 +105,8 @@ def unusable_database(database_url: str, *, exc: BaseException) -> click.ClickEx
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT also tells the app to refuse new runs.
+    """uvicorn, but the first SIGTERM/SIGINT also tells the app to refuse new runs, and
+    SIGHUP (the terminal went away) stops it as they do, unless it is ignored (nohup).
 
     uvicorn then stops listening, waits up to `timeout_graceful_shutdown` for requests in
     flight (runs finishing), and cancels what is left: a cancelled run finishes the tool-call
@@ -123,11 +124,19 @@ class DrainingServer(uvicorn.Server):
         # uvicorn puts the handlers it found back once it has shut down: ignored, so that a
         # signal arriving then (a supervisor's second SIGTERM) does not end the clean exit
         # as "killed by SIGTERM".
-        if threading.current_thread() is threading.main_thread():
+        main_thread = threading.current_thread() is threading.main_thread()
+        hangup = main_thread and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+        if main_thread:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
         with super().capture_signals():
-            yield
+            if hangup:  # uvicorn itself handles only SIGINT and SIGTERM
+                signal.signal(signal.SIGHUP, self.handle_exit)
+            try:
+                yield
+            finally:
+                if hangup:
+                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     # Positional: uvicorn calls it so.
     @override

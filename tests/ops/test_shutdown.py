@@ -63,18 +63,23 @@ def _sigterm(server: ServerProcess) -> float:
 @pytest.mark.parametrize(
     "backend", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
+# SIGHUP (the terminal of `make run` closed) stops the server as SIGTERM does: uvicorn
+# alone died of it at once, the step in flight lost as at a crash.
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_refuses_new_runs_and_lets_the_run_in_flight_finish(
     database_url: str,
     tmp_path: Path,
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
     agents_server: AgentsServer,
+    stop: signal.Signals,
 ) -> None:
     server = agents_server(database_url=database_url, env={"SHUTDOWN_GRACE_S": "10"}).start()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             in_flight = _start_slow_run(pool, server, tool_server, {**SLOW_TURN, "session_id": "s"})
-            _sigterm(server)
+            assert server.process is not None
+            server.process.send_signal(stop)
             wait_for(lambda: _draining(server), timeout=20, what="the server draining")
 
             marker = "after-sigterm-7f3c"

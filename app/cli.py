@@ -302,7 +302,10 @@ def _stop_before_the_turn() -> None:
 
     def stop(signum: int, _frame: object) -> None:
         click.echo(f"stopped by {signal.Signals(signum).name} before the turn began", err=True)
-        sys.exit(128 + signum)
+        sys.stderr.flush()
+        # At once, not by SystemExit: raised in the middle of an import (pydantic-core, a
+        # class body being made) it came out as a traceback, or was dropped and the turn ran.
+        os._exit(128 + signum)
 
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
@@ -345,15 +348,15 @@ def run(
         Stops,
         checked_turn,
         print_run,
+        read_message,
         run_turn,
         stopped,
-        without_last_newline,
     )
 
     settings = _settings(quiet=True)
     stops = Stops()
     if message == "-":
-        message = without_last_newline(sys.stdin.read())
+        message = read_message()
     try:
         turn = checked_turn(
             settings,

@@ -107,8 +107,13 @@ def _tenant(settings: Settings, *, tenant: str | None) -> str | None:
     return tenant
 
 
-def without_last_newline(text: str) -> str:
-    """Standard input less the newline `echo` ends it with (LF or CRLF)."""
+def read_message() -> str:
+    """MESSAGE '-': standard input, less the newline `echo` ends it with (LF or CRLF). Read
+    no further than a body may carry (a character more says it is over): `yes |` would fill
+    the memory with a turn the limit then refuses."""
+    if sys.stdin is None:
+        raise click.UsageError("MESSAGE is '-', but standard input is closed")
+    text = sys.stdin.read(MAX_BODY_BYTES + 1)
     return text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
 
 

@@ -206,6 +206,42 @@ def test_run_refuses_what_the_api_refuses_with_its_code(commands: Commands) -> N
     assert (wide.code, len(wide.out)) == (0, len("echo: ") + 300_000 + 1), wide.err
 
 
+def test_run_reads_a_message_from_standard_input_no_further_than_a_body_may_carry(
+    tmp_path: Path,
+) -> None:
+    # `yes | run echo -` read stdin to its end (gigabytes in seconds) before refusing a turn
+    # over 1 MiB; with stdin closed, `-` ended in an AttributeError's traceback.
+    env = command_env(database_url="memory://")
+    with subprocess.Popen(["yes"], stdout=subprocess.PIPE) as endless:
+        try:
+            done = subprocess.run(
+                [AGENT_RUNNER, "run", "echo", "-"],
+                stdin=endless.stdout,
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            endless.kill()
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert "payload_too_large: as a POST /v1/runs body the turn is" in done.stderr
+    closed = subprocess.run(
+        ["sh", "-c", f'exec "{AGENT_RUNNER}" run echo - <&-'],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (closed.returncode, closed.stdout) == (2, ""), closed.stderr
+    assert "MESSAGE is '-', but standard input is closed" in closed.stderr
+    assert "Traceback" not in done.stderr + closed.stderr
+
+
 @ONLY_SQLITE
 def test_run_says_how_a_run_that_did_not_complete_ended(commands: Commands) -> None:
     done = commands("run", "broken-model", "hi")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 from starlette.routing import Match, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,6 +36,11 @@ class ApiKeys:
                 raise ConfigError(
                     f"API_KEYS: entry {position} names a tenant of more than"
                     f" {TENANT_MAX_LENGTH} characters"
+                )
+            if not re.fullmatch(r"[\x21-\x7e]+", key):  # as a header's token can carry it
+                raise ConfigError(
+                    f"API_KEYS: entry {position} has a key of other than printable ASCII"
+                    " characters without spaces, which no Authorization header sends"
                 )
             if key in keys:  # the key is not quoted: it is a secret
                 raise ConfigError(f"API_KEYS: entry {position} repeats the key of an earlier one")

@@ -21,6 +21,12 @@ def test_api_keys_ignore_spaces_around_key_and_tenant() -> None:
         keys.tenant("k1 :")
 
 
+NOT_A_TOKEN = (
+    "has a key of other than printable ASCII characters without spaces, which no"
+    " Authorization header sends"
+)
+
+
 @pytest.mark.parametrize(
     ("spec", "problem"),
     [
@@ -34,6 +40,11 @@ def test_api_keys_ignore_spaces_around_key_and_tenant() -> None:
         ("k1:a,", "API_KEYS: entry 2 is not key:tenant"),
         # A session's tenant_id holds 128: every durable run of the key was a 500 on PostgreSQL.
         (f"k1:a,k2:{'t' * 129}", "API_KEYS: entry 2 names a tenant of more than 128 characters"),
+        # Accepted, such a key was never matched: a client sends its UTF-8, or cannot send it.
+        *[
+            (f"k1:a,{key}:b", f"API_KEYS: entry 2 {NOT_A_TOKEN}")
+            for key in ("kë", "k 2", "k\t2", "日本")
+        ],
     ],
 )
 def test_api_keys_refused_with_the_entry_named_and_no_key_shown(spec: str, problem: str) -> None:

@@ -470,3 +470,14 @@ async def test_example_tools_through_the_registry(outbox: Path) -> None:
     now = await registry.execute(ToolCall("c4", "clock", {}), ctx=SESSION_CTX, allowed=allowed)
     assert "utc" in json.loads(now.content)
     await registry.aclose()
+
+
+async def test_send_email_with_demo_outbox_set_but_empty_uses_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Empty, it named "." (a folder): every send failed "Is a directory".
+    monkeypatch.setenv("DEMO_OUTBOX", "")
+    monkeypatch.chdir(tmp_path)
+    sent = await send_email({"to": "c@example.com", "subject": "Hi", "body": "x"}, SESSION_CTX)
+    assert sent["sent"] is True
+    assert len(outbox_lines(tmp_path / "demo-outbox.jsonl")) == 1

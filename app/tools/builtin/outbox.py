@@ -42,7 +42,7 @@ async def send_email(arguments: dict[str, Any], ctx: ToolContext) -> dict[str, A
 def _outbox_path() -> Path:
     # Example-tool behaviour, not service configuration: the demo and the crash tests point
     # DEMO_OUTBOX at a file they inspect, so this tool reads it directly instead of Settings.
-    return Path(os.environ.get("DEMO_OUTBOX", DEFAULT_OUTBOX))
+    return Path(os.environ.get("DEMO_OUTBOX") or DEFAULT_OUTBOX)  # set but empty: the default
 
 
 def _append_line(path: Path, *, line: str) -> None:

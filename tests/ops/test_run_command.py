@@ -14,6 +14,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -103,6 +104,16 @@ class Running:
         return Finished(code, self.out.read_text(), self.err.read_text())
 
 
+def installed(
+    argv: list[str], *, env: dict[str, str], cwd: Path, **given: Any
+) -> subprocess.CompletedProcess[str]:
+    """The installed command itself, run to its end (the other tests fork its entry point, as
+    the servers do); `given`: what it reads (`input`, `stdin`)."""
+    return subprocess.run(
+        argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False, **given
+    )
+
+
 @pytest.fixture
 def commands(
     tmp_path: Path, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
@@ -151,16 +162,11 @@ def test_run_answers_a_stateless_turn_and_stores_nothing(
 ) -> None:
     database = tmp_path / "never" / "made.db"
     env = command_env(database_url=f"sqlite:///{database}", model_url=fake_model.url)
-    # The installed command itself (the other tests fork its entry point, as the servers do).
-    given = subprocess.run(
+    given = installed(
         [AGENT_RUNNER, "run", "echo", "-"],
-        input="hello from stdin\n",  # as `echo` sends it: the last newline is not the message
         env=env,
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        input="hello from stdin\n",  # as `echo` sends it: the last newline is not the message
     )
     assert (given.returncode, given.stdout, given.stderr) == (0, "echo: hello from stdin\n", "")
     assert not database.parent.exists()  # stateless: no database was opened
@@ -214,29 +220,14 @@ def test_run_reads_a_message_from_standard_input_no_further_than_a_body_may_carr
     env = command_env(database_url="memory://")
     with subprocess.Popen(["yes"], stdout=subprocess.PIPE) as endless:
         try:
-            done = subprocess.run(
-                [AGENT_RUNNER, "run", "echo", "-"],
-                stdin=endless.stdout,
-                env=env,
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
+            done = installed(
+                [AGENT_RUNNER, "run", "echo", "-"], env=env, cwd=tmp_path, stdin=endless.stdout
             )
         finally:
             endless.kill()
     assert (done.returncode, done.stdout) == (2, ""), done.stderr
     assert "payload_too_large: as a POST /v1/runs body the turn is" in done.stderr
-    closed = subprocess.run(
-        ["sh", "-c", f'exec "{AGENT_RUNNER}" run echo - <&-'],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    closed = installed(["sh", "-c", f'exec "{AGENT_RUNNER}" run echo - <&-'], env=env, cwd=tmp_path)
     assert (closed.returncode, closed.stdout) == (2, ""), closed.stderr
     assert "MESSAGE is '-', but standard input is closed" in closed.stderr
     assert "Traceback" not in done.stderr + closed.stderr

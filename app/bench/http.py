@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy.engine import make_url
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -33,7 +32,6 @@ from app.bench.scenario import (
     api_reply,
 )
 from app.bench.service import check_run, check_side_effects, sessions_of
-from app.db.urls import sqlite_file
 from app.schemas.runs import RunRead
 from app.serving import ServeProcess, ThreadedServer
 
@@ -62,20 +60,22 @@ def scenario_app(steps: int) -> Starlette:
     )
 
 
+BENCH_KEY = "bench-key"
+
+
 def server_env(database_url: str, *, agents_file: Path, model_url: str) -> dict[str, str]:
-    """The server's environment: ours, minus anything that would change what it does. A
-    SQLite file is named by its absolute path: the server runs in the bench's folder."""
+    """The server's environment: ours, minus anything that would change what it does. What
+    a `.env` where the bench runs could give back is set (the environment wins over it): no
+    failpoints, and the bench's own key."""
     dropped = ("ANTHROPIC_", "API_KEYS", "FAILPOINTS", "DATABASE_", "AGENTS_FILE", "LOG_")
-    if (path := sqlite_file(database_url)) is not None:
-        database_url = (
-            make_url(database_url).set(database=str(path)).render_as_string(hide_password=False)
-        )
     return {
         **{k: v for k, v in os.environ.items() if not k.startswith(dropped)},
+        "API_KEYS": f"{BENCH_KEY}:bench",
+        "FAILPOINTS": "",
         "DATABASE_URL": database_url,
         "AGENTS_FILE": str(agents_file),
         "ANTHROPIC_BASE_URL": model_url,
-        "ANTHROPIC_API_KEY": "bench-key",
+        "ANTHROPIC_API_KEY": BENCH_KEY,
         "ANTHROPIC_MAX_RETRIES": "0",
         "LOG_LEVEL": "WARNING",
     }
@@ -107,7 +107,10 @@ class ModelCalls:
         self._totals = {False: [0.0, 0.0], True: [0.0, 0.0]}
 
     def _read(self) -> tuple[float, float]:
-        text = self._client.get("/metrics").text
+        try:
+            text = self._client.get("/metrics").text
+        except httpx.TransportError as exc:
+            raise BenchError(f"agent-runner serve stopped answering ({exc!r})") from exc
         seconds = count = 0.0
         for family in text_string_to_metric_families(text):
             if family.name == "agent_runner_model_call_seconds":
@@ -144,15 +147,14 @@ def measure_http(database_url: str, *, options: BenchOptions, workdir: Path) -> 
         tools = agents_yaml({AGENT: (HTTP_MODEL, options.steps)}, tools_url=f"{fake.url}/tools")
         agents_file.write_text(tools)
         env = server_env(database_url, agents_file=agents_file, model_url=fake.url)
-        # In the bench's folder: a `.env` where the bench was started must not give the
-        # server back what server_env left out.
-        server = ServeProcess(env=env, log_path=workdir / "server.log", cwd=workdir)
+        server = ServeProcess(env=env, log_path=workdir / "server.log")
         try:
             server.start()
         except RuntimeError as exc:
             raise BenchError(f"agent-runner serve did not start: {exc}") from exc
         try:
-            with httpx.Client(base_url=server.url, timeout=120) as client:
+            auth = {"Authorization": f"Bearer {BENCH_KEY}"}
+            with httpx.Client(base_url=server.url, headers=auth, timeout=120) as client:
                 for _ in range(options.warmup):
                     _session(client, durable=False, steps=options.steps)
                     _session(client, durable=True, steps=options.steps)

@@ -383,9 +383,8 @@ def test_a_stop_just_as_the_schema_is_made_leaves_no_schema(
 
 
 def test_a_env_file_where_the_bench_starts_changes_nothing_of_its_server(tmp_path: Path) -> None:
-    # The bench leaves API_KEYS and FAILPOINTS out of its server's environment; run in the
-    # bench's folder, the server read them back from a .env there: 401s, or a server dead
-    # at its first write. A SQLite file named relative to here is the same file for both.
+    # The bench leaves API_KEYS and FAILPOINTS out of its server's environment; a .env where
+    # the bench runs gave them back to the server: 401s, or a server dead at its first write.
     (tmp_path / ".env").write_text("API_KEYS=k1:t1\nFAILPOINTS=after-write-1\n")
     here = ["--database-url", "sqlite:///here.db"]
     result = subprocess.run(

@@ -92,8 +92,12 @@ def load_env_file(path: Path = Path(".env")) -> None:
         return
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} cannot be read: {exc}") from None
+    if "\x00" in text:  # no environment variable can hold it
+        raise ConfigError(f"{path} holds a NUL character")
     for binding in parse_stream(io.StringIO(text)):
-        if binding.error:  # its text may hold a secret: name the line only
+        # A NAME alone (no `=`: `API_KEYS:k1:t1`) sets nothing, as a line that does not
+        # parse. Its text may hold a secret: the line is named, not shown.
+        if binding.error or (binding.key is not None and binding.value is None):
             raise ConfigError(
                 f"{path} line {binding.original.line} is not NAME=value (a quote left open?)"
             )

@@ -44,6 +44,8 @@ def test_the_env_file_reaches_the_sdk_and_the_environment_wins(
     [
         pytest.param(b"API_KEYS k1:secret-one\n", ".env line 1 is not NAME=value", id="no-equals"),
         pytest.param(b'LOG_LEVEL=INFO\nAPI_KEYS="k1:secret-one\n', ".env line 2", id="open-quote"),
+        pytest.param(b"API_KEYS:k1:secret-one\n", ".env line 1 is not NAME=value", id="name-only"),
+        pytest.param(b"LOG_LEVEL=IN\x00FO\n", ".env holds a NUL character", id="nul"),
         pytest.param(b"\xff\xfe\n", ".env cannot be read", id="not-utf-8"),
     ],
 )

@@ -37,10 +37,10 @@ class ApiKeys:
                     f"API_KEYS: entry {position} names a tenant of more than"
                     f" {TENANT_MAX_LENGTH} characters"
                 )
-            if not re.fullmatch(r"[\x21-\x7e]+", key):  # as a header's token can carry it
+            if not re.fullmatch(r"[\x20-\x7e\x80-\xff]+", key):  # a header's bytes, as read
                 raise ConfigError(
-                    f"API_KEYS: entry {position} has a key of other than printable ASCII"
-                    " characters without spaces, which no Authorization header sends"
+                    f"API_KEYS: entry {position} has a key with a control character or one"
+                    " beyond Latin-1, which no Authorization header can send"
                 )
             if key in keys:  # the key is not quoted: it is a secret
                 raise ConfigError(f"API_KEYS: entry {position} repeats the key of an earlier one")

@@ -45,6 +45,9 @@ def _serve(
 ) -> None:
     """In the fork: become `agent-runner <argv>` run with exactly `env` in `cwd`, its
     standard output to `log_path`, its errors to `errors_path`, its input from `stdin_path`."""
+    # SIGHUP's default action, as a command started from a terminal has: a suite run under
+    # nohup would pass its ignoring on through the forkserver to every server.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
     sys.path[:0] = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]

@@ -59,8 +59,9 @@ T = TypeVar("T")
 # How long a lock statement whose deadline has passed is still given, from when the event loop
 # runs again, before the lock connection is dropped (see `_answered_within`): long enough for
 # the round trip a prepared statement still needs on a loaded server (0.1 s once fell short
-# on a busy machine), short against the takeover. No dispatch is let through by it: `check`
-# goes by when the last heartbeat was sent.
+# on a busy machine), short against the takeover (at most half the statement's deadline,
+# itself half the takeover). No dispatch is let through by it: `check` goes by when the last
+# heartbeat was sent.
 LAST_LOOK_S = 0.5
 
 
@@ -76,7 +77,7 @@ async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
         if not done:
-            done, _ = await asyncio.wait({task}, timeout=LAST_LOOK_S)
+            done, _ = await asyncio.wait({task}, timeout=min(LAST_LOOK_S, timeout_s / 2))
     finally:
         task.cancel()  # no-op once done; otherwise timed out, or the caller was cancelled
     if not done:
@@ -108,6 +109,10 @@ class PostgresOwnership(Ownership):
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
         self.statements = 0
+        # Releases still under way though their requests were cancelled (`_release`): `stop`
+        # waits for them, and after it no connection is opened again.
+        self._releasing: set[asyncio.Task[None]] = set()
+        self._stopped = False
 
     @override
     async def start(self) -> None:
@@ -119,6 +124,9 @@ class PostgresOwnership(Ownership):
 
     @override
     async def stop(self) -> None:
+        if self._releasing:
+            await asyncio.wait(self._releasing)
+        self._stopped = True
         if self._beater is not None:
             self._beater.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -142,9 +150,7 @@ class PostgresOwnership(Ownership):
             finally:
                 self._held.pop(session_id, None)
                 self._lost.discard(session_id)
-                # Shielded: a shutdown that cancels its request here (the turn stored) must
-                # not leave the lock held on a connection that lives on.
-                await asyncio.shield(self._unlock(key))
+                await self._release(key)
         finally:
             self.active.release(session_id)
 
@@ -209,7 +215,7 @@ class PostgresOwnership(Ownership):
                 await self._unlock(key)
                 return False
         except BaseException:  # cancellation too: a lock taken must not outlive the attempt
-            await asyncio.shield(self._unlock(key))
+            await self._release(key)
             raise
         if token != self._token:  # lost again while the session was read
             self._lost.add(session_id)
@@ -241,11 +247,13 @@ class PostgresOwnership(Ownership):
         return held
 
     async def _connect(self) -> None:
-        """Open the lock connection and take its token (call with `_io` held). Its first
-        statement is timed like any other: a server that accepts the connection and then
-        answers nothing (a half-open path after a failover) would hold `_io`, and with it
-        every request of the process, until the kernel gives up on the socket."""
-        conn = await self._open()
+        """Open the lock connection and take its token (call with `_io` held, or before any
+        other use: `start`). Opening it and its first statement are timed as every statement
+        is: a server that accepts the connection and then answers nothing (a half-open path
+        after a failover) would hold `_io`, and with it every request of the process, until
+        the kernel gives up on the socket."""
+        # The handshake too: the URL's connect_timeout (5 s unless set) may be longer.
+        conn = await _answered_within(self._open(), timeout_s=self._statement_timeout_s)
         try:
             while True:  # a token someone holds is one in 2**64: draw again
                 token = new_token()
@@ -317,6 +325,8 @@ class PostgresOwnership(Ownership):
             log.warning("ownership connection lost; the sessions it held are to be taken again")
             self._conn = None
         if self._conn is None:
+            if self._stopped:  # a late statement must not open a connection nobody closes
+                raise ConnectionError("the ownership is stopped")
             try:
                 await self._connect()
             except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
@@ -376,6 +386,15 @@ class PostgresOwnership(Ownership):
                 "SELECT pg_try_advisory_lock($1)", args=(key,), result="value"
             )
             return self._token if taken else None  # the connection that answered
+
+    async def _release(self, key: int) -> None:
+        """Unlock, shielded: a shutdown that cancels its request here (the turn stored) must
+        not leave the lock held on a connection that lives on. The unlock goes on without
+        it, and `stop` waits for it."""
+        release = asyncio.ensure_future(self._unlock(key))
+        self._releasing.add(release)
+        release.add_done_callback(self._releasing.discard)
+        await asyncio.shield(release)
 
     async def _unlock(self, key: int) -> None:
         with contextlib.suppress(Exception):

@@ -132,6 +132,46 @@ async def test_a_stored_turn_is_answered_though_shutdown_cancels_its_release(
         assert again.run.status is RunStatus.COMPLETE
 
 
+async def test_stop_waits_for_a_release_its_request_gave_up_on(
+    database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A release that went on without its cancelled request ran after stop: it found the lock
+    # connection closed and opened another, which nobody closed.
+    owner = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
+    await owner.start()
+    unlock = owner._unlock
+    releasing = asyncio.Event()
+
+    async def slow_unlock(key: int) -> None:
+        releasing.set()
+        await asyncio.sleep(0.3)
+        await unlock(key)
+
+    monkeypatch.setattr(owner, "_unlock", slow_unlock)
+
+    async def hold_a_while() -> None:
+        async with owner.hold("s-stop"):
+            pass
+
+    holding = asyncio.create_task(hold_a_while())
+    await releasing.wait()
+    holding.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await holding
+    await owner.stop()
+    await asyncio.sleep(0.5)  # a release left going would have run by now
+    assert "ownership connection lost" not in caplog.text
+    admin = await asyncpg.connect(asyncpg_dsn(database_url))
+    try:
+        locks = await admin.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database ="
+            " (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
+    finally:
+        await admin.close()
+    assert locks == 0  # released before the stop, and no new connection took a token
+
+
 async def test_a_finished_run_is_read_without_asking_the_lock_connection(
     database_url: str, ownership: PostgresOwnership
 ) -> None:

@@ -301,8 +301,8 @@ def _stop_before_the_turn() -> None:
     before the service's modules load (seconds)."""
 
     def stop(signum: int, _frame: object) -> None:
-        click.echo(f"stopped by {signal.Signals(signum).name} before the turn began", err=True)
-        sys.stderr.flush()
+        # Written straight to the file: the handler may have interrupted a write to stderr.
+        os.write(2, f"stopped by {signal.Signals(signum).name} before the turn began\n".encode())
         # At once, not by SystemExit: raised in the middle of an import (pydantic-core, a
         # class body being made) it came out as a traceback, or was dropped and the turn ran.
         os._exit(128 + signum)

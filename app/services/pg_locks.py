@@ -36,8 +36,9 @@ SESSION_LOCK_HELD = (
 
 # The session lock keys, of those given, that a runner holds: its lock refuses the shared one
 # asked for here, which is granted otherwise and lasts to the statement's end. (One lookup in
-# the lock table each; asking pg_locks would copy every lock of the server.) On the lock
-# connection, which is granted its own sessions' keys: ask only of sessions not held here.
+# the lock table each; asking pg_locks would copy every lock of the server.) Asked on a
+# connection that holds no session's lock (`PostgresOwnership._ask`); the lock connection
+# would be granted its own sessions' keys.
 HELD_AMONG_SQL = (
     "SELECT k FROM unnest($1::bigint[]) AS k WHERE NOT pg_try_advisory_xact_lock_shared(k)"
 )

@@ -20,9 +20,11 @@ cost a write ~0.5 ms of server time per 1,000 sessions held). Before each tool d
 at once when the last one is late, so a runner resumed after a takeover dispatches nothing.
 
 Whether another runner holds a session (a session's status, a 409's search for the holder)
-is asked the same way: a try for a shared lock on the session's key, for one statement,
-fails only while a runner holds its lock. A turn taking the session at that very instant
-finds it refused by nobody (`_holder` sees no runner's lock) and tries again.
+is asked the same way, on a second connection that holds no lock (so that such questions
+do not wait in line with every take and release): a try for a shared lock on the session's
+key, for one statement, fails only while a runner holds its lock. A turn taking the session
+at that very instant finds it refused by nobody (`_holder` sees no runner's lock) and tries
+again.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class PostgresOwnership(Ownership):
         # Sessions still held by a turn whose lock went with an earlier connection (`retake`).
         self._lost: set[str] = set()
         self._io = asyncio.Lock()  # one query at a time on the lock connection
+        # Whether others hold sessions (a session's status, a page of them, a 409's wait for
+        # the holder's run) is asked on a connection of its own: in the lock connection's
+        # line, those questions held up every take and release of the replica under load.
+        self._asker: asyncpg.Connection | None = None
+        self._ask_io = asyncio.Lock()
         # One retake at a time: a step's parallel calls find a lost hold all at once, and a
         # second pg_try_advisory_lock on the same connection would take the lock twice
         # (PostgreSQL counts them), so that the turn's one unlock would leave it held.
@@ -131,6 +138,10 @@ class PostgresOwnership(Ownership):
             self._beater.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beater
+        async with self._ask_io:
+            if self._asker is not None:
+                with contextlib.suppress(Exception):
+                    await self._asker.close()
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
@@ -242,9 +253,43 @@ class PostgresOwnership(Ownership):
         held = {s for s in session_ids if self.active.holds(s)}
         others = {lock_key(s): s for s in session_ids if s not in held}
         if others:
-            rows = await self._query(HELD_AMONG_SQL, list(others), result="rows")
+            rows = await self._ask(HELD_AMONG_SQL, list(others))
             held.update(others[row["k"]] for row in rows)
         return held
+
+    async def _ask(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        """A question's rows, on the asking connection (opened on demand). One that fails is
+        closed and, unless it did not answer in time, asked once more on a new one (the
+        server may have ended it unseen), as on the lock connection (`_answer`); else
+        ConnectionError (503). It holds no lock past its statement: losing it costs nothing."""
+        async with self._ask_io:
+            try:
+                return await self._ask_once(sql, args=args)
+            except ConnectionError as lost:
+                if isinstance(lost.__cause__, TimeoutError):
+                    raise
+                return await self._ask_once(sql, args=args)
+
+    async def _ask_once(self, sql: str, *, args: tuple[Any, ...]) -> list[asyncpg.Record]:
+        """`_ask`'s one try (call with `_ask_io` held)."""
+        if self._stopped:
+            raise ConnectionError("the ownership is stopped")
+        try:
+            if self._asker is None or self._asker.is_closed():
+                self._asker = await _answered_within(
+                    self._open(), timeout_s=self._statement_timeout_s
+                )
+            asker: asyncpg.Connection = self._asker
+            self.statements += 1
+            rows: list[asyncpg.Record] = await _answered_within(
+                asker.fetch(sql, *args), timeout_s=self._statement_timeout_s
+            )
+        except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+            if self._asker is not None:
+                self._asker.terminate()
+                self._asker = None
+            raise ConnectionError("the ownership connection is down") from exc
+        return rows
 
     async def _connect(self) -> None:
         """Open the lock connection and take its token (call with `_io` held, or before any

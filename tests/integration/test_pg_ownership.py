@@ -289,12 +289,31 @@ async def test_a_deadline_that_passed_while_the_event_loop_was_held_up_costs_no_
     # loop's clock, the deadline fired first: the lock connection was dropped, and with it
     # every session of the replica.
     async with ownership.hold("s-held"):
-        asking = asyncio.create_task(ownership.is_held("s-other"))  # first use: prepared
-        await asyncio.sleep(0)  # the statement is sent
+        # On the lock connection, and on the one that asks whether others hold sessions.
+        asking = asyncio.gather(
+            ownership.ping(),  # SELECT 1's first use there: prepared first
+            ownership.is_held("s-other"),  # the asking connection's first statement
+        )
+        await asyncio.sleep(0)  # the statements are sent
         time.sleep(0.6 * TAKEOVER_AFTER_S)  # noqa: ASYNC251 - the loop held up past the deadline
-        assert await asking is False
+        assert tuple(await asking) == (None, False)
         await ownership.check("s-held")  # still its own
     assert "ownership connection lost" not in caplog.text
+
+
+async def test_whether_others_hold_sessions_is_asked_beside_the_lock_connections_line(
+    ownership: PostgresOwnership, database_url: str
+) -> None:
+    # Every take, release and heartbeat of a replica waits in one line for its lock
+    # connection. Status questions (a GET, a page of sessions, a 409's wait for the holder's
+    # run) waited in it too: under load they held up the takes and releases, so that a
+    # request sent while a turn ran could be looked at only after it had ended.
+    async with a_replica(database_url) as other, other.hold("s-theirs"):
+        async with ownership._io:  # the lock connection's line, held up
+            held = await asyncio.wait_for(
+                ownership.held_among(["s-theirs", "s-free"]), timeout=TAKEOVER_AFTER_S / 4
+            )
+        assert held == {"s-theirs"}
 
 
 async def test_a_session_taken_again_on_a_connection_that_then_ended_is_not_held(

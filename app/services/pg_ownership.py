@@ -59,11 +59,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # How long a lock statement whose deadline has passed is still given, from when the event loop
-# runs again, before the lock connection is dropped (see `_answered_within`): long enough for
-# the round trip a prepared statement still needs on a loaded server (0.1 s once fell short
-# on a busy machine), short against the takeover (at most half the statement's deadline,
-# itself half the takeover). No dispatch is let through by it: `check` goes by when the last
-# heartbeat was sent.
+# runs again, before the lock connection is dropped (see `_answered_within`): room for the
+# round trip a prepared statement still needs on a loaded server, short against the takeover
+# (at most half the statement's deadline, itself half the takeover). No dispatch is let
+# through by it: `check` goes by when the last heartbeat was sent.
 LAST_LOOK_S = 0.5
 
 

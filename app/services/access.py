@@ -77,10 +77,10 @@ async def read_runs_owned(
     them stored `running` whose runner is gone (`run_summary` shows them `interrupted`).
 
     Whether a runner holds the session is asked only when a run read `running` (on
-    PostgreSQL a statement on the lock connection, which every turn's start and end waits
-    for too), and after the read: a turn that ended between the two would look dead. So when
-    nobody holds the session, it is read again, and only a run `running` both times is one
-    whose runner died; one `running` only in the second read started after the question."""
+    PostgreSQL a statement on ownership's own connection), and after the read: a turn that
+    ended between the two would look dead. So when nobody holds the session, it is read
+    again, and only a run `running` both times is one whose runner died; one `running` only
+    in the second read started after the question."""
     result = await read()
     runs = runs_of(result)
     running = {r.id for r in runs if r.status == RunStatus.RUNNING.value}

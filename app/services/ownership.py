@@ -93,7 +93,7 @@ class ActiveRuns:
 
 class Ownership(Protocol):
     active: ActiveRuns
-    # Statements sent on ownership's own connection, outside the pool, each a transaction of
+    # Statements sent on ownership's own connections, outside the pool, each a transaction of
     # its own (PostgreSQL: taking, releasing and taking over locks, and the heartbeats and
     # readiness pings); the bench counts those a session's turn sends.
     statements: int

@@ -130,20 +130,26 @@ class PostgresOwnership(Ownership):
 
     @override
     async def stop(self) -> None:
-        if self._releasing:
-            await asyncio.wait(self._releasing)
+        while self._releasing:  # one may start while another is waited for
+            await asyncio.wait(set(self._releasing))
         self._stopped = True
         if self._beater is not None:
             self._beater.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beater
+        # Each in its line (a statement in flight ends first), and closed within a
+        # statement's deadline: a server that no longer answers is not waited for.
         async with self._ask_io:
-            if self._asker is not None:
-                with contextlib.suppress(Exception):
-                    await self._asker.close()
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                await self._conn.close()
+            await self._close(self._asker)
+        async with self._io:
+            await self._close(self._conn)
+
+    async def _close(self, conn: asyncpg.Connection | None) -> None:
+        if conn is not None:
+            try:
+                await conn.close(timeout=self._statement_timeout_s)
+            except Exception:
+                conn.terminate()
 
     @asynccontextmanager
     @override
@@ -273,17 +279,20 @@ class PostgresOwnership(Ownership):
         """`_ask`'s one try (call with `_ask_io` held)."""
         if self._stopped:
             raise ConnectionError("the ownership is stopped")
-        try:
-            if self._asker is None or self._asker.is_closed():
+        if self._asker is None or self._asker.is_closed():
+            try:
                 self._asker = await _answered_within(
                     self._open(), timeout_s=self._statement_timeout_s
                 )
-            asker: asyncpg.Connection = self._asker
-            self.statements += 1
+            except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+                raise ConnectionError("the ownership connection is down") from exc
+        asker: asyncpg.Connection = self._asker
+        self.statements += 1
+        try:
             rows: list[asyncpg.Record] = await _answered_within(
                 asker.fetch(sql, *args), timeout_s=self._statement_timeout_s
             )
-        except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+        except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
             if self._asker is not None:
                 self._asker.terminate()
                 self._asker = None
@@ -365,12 +374,12 @@ class PostgresOwnership(Ownership):
         token of the connection each session was taken on: runs that held sessions on the old
         one keep failing their writes and checks until they take them again.
         """
+        if self._stopped:  # a late statement must not open a connection nobody closes
+            raise ConnectionError("the ownership is stopped")
         if self._conn is not None and self._conn.is_closed():
             log.warning("ownership connection lost; the sessions it held are to be taken again")
             self._conn = None
         if self._conn is None:
-            if self._stopped:  # a late statement must not open a connection nobody closes
-                raise ConnectionError("the ownership is stopped")
             try:
                 await self._connect()
             except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
@@ -441,8 +450,13 @@ class PostgresOwnership(Ownership):
         await asyncio.shield(release)
 
     async def _unlock(self, key: int) -> None:
+        """Release the session's lock on the lock connection. One that has ended took the
+        lock with it: no connection is opened for this (nor after stop)."""
         with contextlib.suppress(Exception):
-            await self._query("SELECT pg_advisory_unlock($1)", key)
+            async with self._io:
+                if self._stopped or self._conn is None or self._conn.is_closed():
+                    return
+                await self._send("SELECT pg_advisory_unlock($1)", args=(key,), result="value")
 
     async def _holder(self, key: int) -> tuple[int, float] | None:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""

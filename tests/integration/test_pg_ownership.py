@@ -172,7 +172,30 @@ async def test_stop_waits_for_a_release_its_request_gave_up_on(
     assert locks == 0  # released before the stop, and no new connection took a token
 
 
-async def test_a_finished_run_is_read_without_asking_the_lock_connection(
+async def test_a_hold_that_ends_while_stop_runs_opens_nothing_and_says_nothing(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its release met the lock connection stop had just closed: it reported the connection
+    # lost, and before stop refused to open connections, opened another to unlock a lock
+    # that had gone with the first.
+    owner = PostgresOwnership(database_url, heartbeat_s=3600, takeover_after_s=TAKEOVER_AFTER_S)
+    await owner.start()
+    inside = asyncio.Event()
+
+    async def hold_past_the_stop() -> None:
+        async with owner.hold("s-late"):
+            inside.set()
+            await asyncio.sleep(0.2)
+
+    holding = asyncio.create_task(hold_past_the_stop())
+    await inside.wait()
+    await owner.stop()
+    await holding
+    assert "ownership connection lost" not in caplog.text
+    assert owner._conn is None or owner._conn.is_closed()
+
+
+async def test_a_finished_run_is_read_without_asking_whether_its_session_is_held(
     database_url: str, ownership: PostgresOwnership
 ) -> None:
     # Whether a session's owner is alive matters only to a run stored `running`; a finished
@@ -285,7 +308,8 @@ async def test_a_deadline_that_passed_while_the_event_loop_was_held_up_costs_no_
 ) -> None:
     # A tool that blocks the event loop for longer than a lock statement may take, while the
     # statement is in flight: its answer came meanwhile, or its second round trip (a statement
-    # is prepared on its first use) goes out only when the loop runs again. Timed by the
+    # is prepared on its first use; the asking connection's first also opens it) goes out only
+    # when the loop runs again. Timed by the
     # loop's clock, the deadline fired first: the lock connection was dropped, and with it
     # every session of the replica.
     async with ownership.hold("s-held"):

@@ -86,6 +86,17 @@ async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
     return task.result()
 
 
+async def _once_more_if_ended(attempt: Callable[[], Awaitable[T]]) -> T:
+    """`attempt()`, made once more if its connection had ended (ConnectionError): the server
+    may have ended it unseen. Not after a timeout: a database that does not answer is down."""
+    try:
+        return await attempt()
+    except ConnectionError as lost:
+        if isinstance(lost.__cause__, TimeoutError):
+            raise
+        return await attempt()
+
+
 class PostgresOwnership(Ownership):
     """Advisory locks on one connection per process, with heartbeat-based takeover."""
 
@@ -268,12 +279,7 @@ class PostgresOwnership(Ownership):
         server may have ended it unseen), as on the lock connection (`_answer`); else
         ConnectionError (503). It holds no lock past its statement: losing it costs nothing."""
         async with self._ask_io:
-            try:
-                return await self._ask_once(sql, args=args)
-            except ConnectionError as lost:
-                if isinstance(lost.__cause__, TimeoutError):
-                    raise
-                return await self._ask_once(sql, args=args)
+            return await _once_more_if_ended(lambda: self._ask_once(sql, args=args))
 
     async def _ask_once(self, sql: str, *, args: tuple[Any, ...]) -> list[asyncpg.Record]:
         """`_ask`'s one try (call with `_ask_io` held)."""
@@ -409,12 +415,7 @@ class PostgresOwnership(Ownership):
         ended, a proxy's idle timeout; its goodbye raced the statement), which says nothing of
         the database. Every statement here may run again: a lock taken on the failed
         connection went with it."""
-        try:
-            return await self._send(sql, args=args, result=result)
-        except ConnectionError as lost:
-            if isinstance(lost.__cause__, TimeoutError):
-                raise
-            return await self._send(sql, args=args, result=result)
+        return await _once_more_if_ended(lambda: self._send(sql, args=args, result=result))
 
     async def _send(
         self, sql: str, *, args: tuple[Any, ...], result: Literal["value", "row", "rows"]

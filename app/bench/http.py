@@ -81,6 +81,11 @@ def server_env(database_url: str, *, agents_file: Path, model_url: str) -> dict[
     }
 
 
+def _stopped_answering(exc: httpx.TransportError) -> BenchError:
+    """The bench's server went away mid-bench (it died, or was stopped): one line."""
+    return BenchError(f"agent-runner serve stopped answering ({exc!r})")
+
+
 def _session(client: httpx.Client, *, durable: bool, steps: int) -> float:
     body: dict[str, str] = {"agent": AGENT, "message": USER_MESSAGE}
     if durable:
@@ -89,7 +94,7 @@ def _session(client: httpx.Client, *, durable: bool, steps: int) -> float:
     try:
         response = client.post("/v1/runs", json=body)
     except httpx.TransportError as exc:
-        raise BenchError(f"agent-runner serve stopped answering ({exc!r})") from exc
+        raise _stopped_answering(exc) from exc
     elapsed = (time.perf_counter() - start) * 1000
     if response.status_code != 200:
         raise BenchError(f"POST /v1/runs answered {response.status_code}: {response.text[:500]}")
@@ -110,7 +115,7 @@ class ModelCalls:
         try:
             text = self._client.get("/metrics").text
         except httpx.TransportError as exc:
-            raise BenchError(f"agent-runner serve stopped answering ({exc!r})") from exc
+            raise _stopped_answering(exc) from exc
         seconds = count = 0.0
         for family in text_string_to_metric_families(text):
             if family.name == "agent_runner_model_call_seconds":

@@ -188,9 +188,14 @@ def _order_asked_about(messages: list[Message]) -> str:
     """The order the latest user message names; if it names none ("and now?"), the one an
     earlier turn of the session named, else the default."""
     for message in reversed(messages):
-        if message.role is Role.USER and (match := ORDER_ID.search(message.content)):
-            return match.group(1).upper()
+        if message.role is Role.USER and (order_id := _order_in(message.content)):
+            return order_id
     return DEFAULT_ORDER_ID
+
+
+def _order_in(text: str) -> str | None:
+    """The order id a text names first, if any."""
+    return match.group(1).upper() if (match := ORDER_ID.search(text)) else None
 
 
 def _emailed_before(messages: list[Message], *, order_id: str) -> Message | None:
@@ -268,8 +273,9 @@ def _order_of_call(messages: list[Message], *, call_id: str | None) -> str | Non
     for message in messages:
         for call in message.tool_calls:
             if call.id == call_id:
-                named = str(call.arguments.get("order_id") or call.arguments.get("subject", ""))
-                return match.group(1).upper() if (match := ORDER_ID.search(named)) else None
+                return _order_in(
+                    str(call.arguments.get("order_id") or call.arguments.get("subject", ""))
+                )
     return None
 
 

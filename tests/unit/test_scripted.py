@@ -140,17 +140,22 @@ async def test_support_default_order_and_slow(tmp_path: Path) -> None:
     assert second.tool_calls[0].arguments["delay_s"] == 15
 
 
-async def test_support_reports_a_durability_error() -> None:
-    call = ToolCall("toolu_1", "send_email", {"to": "customer@example.com"})
-    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
-    history = [
-        Message.user("order A-7 please"),
+def email_cut_off(order_id: str, *, asked: str) -> list[Message]:
+    """A turn `asked` about the order: looked up, then its email cut off by a crash (the
+    repair's durability error)."""
+    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": order_id})
+    email = ToolCall("toolu_1", "send_email", {"to": "c", "subject": f"Your order {order_id}"})
+    return [
+        Message.user(asked),
         Message.assistant("", tool_calls=[lookup]),
-        Message.tool(ToolResult.ok(lookup, value=fake_order("A-7"))),
-        Message.assistant("", tool_calls=[call]),
+        Message.tool(ToolResult.ok(lookup, value=fake_order(order_id))),
+        Message.assistant("", tool_calls=[email]),
         Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
     ]
-    response = await complete(history)
+
+
+async def test_support_reports_a_durability_error() -> None:
+    response = await complete(email_cut_off("A-7", asked="order A-7 please"))
     assert response.tool_calls == []
     assert "may or may not have been sent" in response.text
     assert "will not resend it without checking" in response.text
@@ -202,14 +207,8 @@ async def test_support_does_not_resend_an_email_a_crash_cut_off_in_a_later_turn(
 ) -> None:
     # The README's crash demo: the email got the durability error, and the next turn about
     # the same order must not send it again either (it did: only a successful send counted).
-    call = ToolCall("toolu_1", "send_email", {"to": "c", "subject": "Your order A-1001"})
-    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-1001"})
     history = [
-        Message.user("Where is order A-1001?"),
-        Message.assistant("", tool_calls=[lookup]),
-        Message.tool(ToolResult.ok(lookup, value=fake_order("A-1001"))),
-        Message.assistant("", tool_calls=[call]),
-        Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
+        *email_cut_off("A-1001", asked="Where is order A-1001?"),
         Message.assistant("I was interrupted while emailing."),
     ]
     outbox = tmp_path / "outbox.jsonl"
@@ -266,17 +265,8 @@ async def test_support_does_not_send_the_same_email_twice_unless_asked_again(
 async def test_support_names_the_order_of_the_call_a_crash_cut_off() -> None:
     # The crash cut off the email about A-7; the resubmission asks about A-8. The report is
     # about A-7's email (it named A-8's), and says A-8 is still to be asked about.
-    lookup = ToolCall("toolu_0", "lookup_order", {"order_id": "A-7"})
-    email = ToolCall("toolu_1", "send_email", {"to": "c@example.com", "subject": "Your order A-7"})
-    history = [
-        Message.user("Where is order A-7? (slow)"),
-        Message.assistant("", tool_calls=[lookup]),
-        Message.tool(ToolResult.ok(lookup, value=fake_order("A-7"))),
-        Message.assistant("", tool_calls=[email]),
-        Message.tool(durability_error("send_email", tool_call_id="toolu_1")),
-        Message.user("and order A-8?"),
-    ]
-    response = await complete(history)
+    history = email_cut_off("A-7", asked="Where is order A-7? (slow)")
+    response = await complete([*history, Message.user("and order A-8?")])
     assert response.tool_calls == []
     assert "interrupted while emailing customer@example.com about order A-7" in response.text
     assert "Ask me about order A-8 again" in response.text

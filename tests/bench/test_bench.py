@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +84,20 @@ def test_the_fake_messages_api_answers_the_same_scenario() -> None:
     assert api_reply(body, steps=2)["content"] == [{"type": "text", "text": FINAL_TEXT}]
 
 
-def _bench(*args: str) -> dict[str, Any]:
+SMALL = ["--steps", str(STEPS), "--sessions", "3", "--warmup", "1"]
+SMALL += ["--long-steps", str(LONG_STEPS), "--concurrency", "2"]
+
+
+def _bench(*args: str, sizes: Sequence[str] = SMALL, cwd: Path | None = None) -> dict[str, Any]:
     # This checkout's code, whatever the installed package points at.
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
-    small = ["--steps", str(STEPS), "--sessions", "3", "--warmup", "1"]
-    small += ["--long-steps", str(LONG_STEPS)]
     result = subprocess.run(
-        [AGENT_RUNNER, "bench", *small, "--concurrency", "2", "--json", *args],
+        [AGENT_RUNNER, "bench", *sizes, "--json", *args],
         capture_output=True,
         text=True,
         env=env,
+        cwd=cwd,
         timeout=240,
         check=False,
     )
@@ -386,16 +390,7 @@ def test_a_env_file_where_the_bench_starts_changes_nothing_of_its_server(tmp_pat
     # The bench leaves API_KEYS and FAILPOINTS out of its server's environment; a .env where
     # the bench runs gave them back to the server: 401s, or a server dead at its first write.
     (tmp_path / ".env").write_text("API_KEYS=k1:t1\nFAILPOINTS=after-write-1\n")
-    here = ["--database-url", "sqlite:///here.db"]
-    result = subprocess.run(
-        [AGENT_RUNNER, "bench", "--json", *TINY, "--concurrency", "1", *here],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    tiny = [*TINY, "--concurrency", "1"]
+    report = _bench("--database-url", "sqlite:///here.db", sizes=tiny, cwd=tmp_path)
     assert report["http"] is not None, report
     assert (tmp_path / "here.db").exists()

@@ -19,10 +19,8 @@ _SESSION_LOCK = (
 # True while the lock connection whose token is (token_hi, token_lo) is alive: its session
 # lock on the token refuses the shared one asked for here. (Had it been granted, it lasts only
 # to the end of the writing transaction, and no lock connection takes a token already used.)
-# On a statement on the session's row it is a volatile condition, so a condition on the row's
-# scan: PostgreSQL asks it again of the row's newest version when the statement had to wait
-# for another writer of the row (EvalPlanQual), who may have taken the session meanwhile. Its
-# value from the statement's start would not do: the lock may have been lost during the wait.
+# A write asks it once it has locked the session's row (`claim_sql`): the lock may have been
+# lost while the write waited for the row.
 PG_FENCE_SQL = (
     "NOT pg_try_advisory_xact_lock_shared(CAST(:token_hi AS integer), CAST(:token_lo AS integer))"
 )

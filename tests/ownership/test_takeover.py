@@ -31,7 +31,7 @@ from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.polling import wait_for
 from tests.support.server import ServerProcess
 from tests.support.tool_server import ToolServer
-from tests.support.transactions import TableLock
+from tests.support.transactions import SessionRowLock, TableLock
 
 pytestmark = [pytest.mark.crash, POSTGRES_ONLY]
 
@@ -209,6 +209,43 @@ def test_holder_that_lost_its_lock_dispatches_no_further_tool(
     assert tool_server.count("post_slack") == 0, tool_server.invocations
     with b.client() as client:
         assert history(client, session) == messages
+
+
+def test_a_write_that_waited_on_its_row_while_the_hold_was_lost_stores_nothing(
+    servers: Servers, database_url: str, tool_server: ToolServer
+) -> None:
+    """A's write #2 waits on the session's row (another client holds it FOR UPDATE); A's lock
+    connection ends meanwhile and B takes the session, its start write waiting on the row
+    too. When the row is free, A's write stores nothing: A lost the session during the wait
+    (§4: it can no longer write). B's turn finds the call an orphan: the post ran once, and
+    its result is the durability error."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session = "s-row-wait"
+    body = run_body("slow", "Post the slow report", session)
+    on_a = Background(a.url, body)
+    assert tool_server.in_flight.wait(15), a.logs()
+    (slow,) = [i for i in tool_server.invocations if i.tool == "slow_post"]
+    with SessionRowLock(database_url, session_id=session) as row:
+        tool_server.release()  # the handler answers; write #2 waits on the row
+        wait_for(row.blocked, timeout=20, what="A's write #2 waiting on the row")
+        assert drop_lock_connections(database_url) == 1  # A's hold is gone
+        on_b = Background(b.url, body)
+        wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
+    answer = on_a.join(30)
+    assert isinstance(answer, httpx.Response), answer
+    taken = on_b.join(30)
+    assert isinstance(taken, httpx.Response), taken
+    run = ok(taken)
+    assert run["status"] == "complete", run
+    assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
+    with b.client() as client:
+        messages = history(client, session)
+    assert_durability_error(
+        result_of(messages, slow.tool_call_id), tool="slow_post", call_id=slow.tool_call_id
+    )
+    assert tool_server.per_call("slow_post")[slow.tool_call_id] == 1, tool_server.invocations
+    assert_history_consistent(messages)
 
 
 def test_a_holder_whose_lock_connection_ended_with_no_taker_takes_the_session_again(

@@ -75,7 +75,7 @@ def results_sent_uncommitted(db: Database, results: int) -> bool:
 
 class SessionRowLock:
     """Holds the session's row FOR UPDATE in a transaction of another connection (PostgreSQL),
-    so that a turn's start write on it waits; `blocked()` says whether a statement waits."""
+    so that a turn's writes on it wait; `blocked()` says whether a statement waits."""
 
     def __init__(self, database_url: str, *, session_id: str) -> None:
         self._dsn = asyncpg_dsn(database_url)
@@ -97,6 +97,11 @@ class SessionRowLock:
             await conn.close()
 
     def blocked(self) -> bool:
+        return self.waiting() > 0
+
+    def waiting(self) -> int:
+        """How many statements of the database wait on a lock."""
+
         async def count() -> int:
             conn = await asyncpg.connect(self._dsn)
             try:
@@ -109,7 +114,7 @@ class SessionRowLock:
             finally:
                 await conn.close()
 
-        return asyncio.run(count()) > 0
+        return asyncio.run(count())
 
     def __enter__(self) -> SessionRowLock:
         self._thread.start()

@@ -297,7 +297,7 @@ class PostgresJournalStore(JournalStore):
             self.fence_sql,
             create=shape.create,
             touch=shape.touch,
-            types=True,
+            postgres=True,
         )
         ctes = [f"claim AS ({claim} RETURNING key)"]
         if shape.messages:

@@ -71,21 +71,36 @@ STORED_COLUMNS = (
 )
 
 
-def claim_sql(fence_sql: str, *, create: bool, touch: bool, types: bool) -> str:
+def claim_sql(fence_sql: str, *, create: bool, touch: bool, postgres: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
-    from `:expected` to `:new_count` — only while the fence holds (asked of the row's
-    newest version: see `PG_FENCE_SQL`). `types` casts the parameters of a created session to their
-    column types."""
+    from `:expected` to `:new_count` — only while the fence holds. On PostgreSQL
+    (`postgres`) a created session's parameters are cast to their column types, and the fence
+    is asked once the row is locked: asked of the row as its scan found it, it would be
+    this runner's answer from before any wait for the row, and a client that only locked
+    it (`SELECT … FOR UPDATE`) leaves nothing for PostgreSQL to check again, so a write could
+    commit after its runner lost the session during the wait. (SQLite has one writer at a
+    time: a write there waits for the file, not for a row.)"""
     if create:
         values = ", ".join(
-            f"CAST(:s_{c} AS {t})" if types else f":s_{c}" for c, t in SESSION_COLUMNS.items()
+            f"CAST(:s_{c} AS {t})" if postgres else f":s_{c}" for c, t in SESSION_COLUMNS.items()
         )
         return (
             f"INSERT INTO session ({', '.join(SESSION_COLUMNS)}) SELECT {values} WHERE {fence_sql}"
         )
+    touched = ", updated_at = :now" if touch else ""
+    update = f"UPDATE session SET message_count = :new_count{touched}"
+    if not postgres:
+        return f"{update} WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
+    # The fence filters the row the CTE locked, so it is asked after any wait for the lock: a
+    # MATERIALIZED CTE's query runs as written (of a subquery's, PostgreSQL moved the fence
+    # below the lock).
+    locked = (
+        "SELECT id FROM session WHERE id = :session_id AND message_count = :expected"
+        " FOR NO KEY UPDATE"
+    )
     return (
-        f"UPDATE session SET message_count = :new_count{', updated_at = :now' if touch else ''}"
-        f" WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
+        f"WITH locked AS MATERIALIZED ({locked})"
+        f" {update} WHERE id = (SELECT id FROM locked WHERE {fence_sql})"
     )
 
 

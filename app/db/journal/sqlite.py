@@ -50,7 +50,7 @@ class SqliteJournalStore(JournalStore):
         self._writes = writes
         self.observers: list[Callable[[int], None]] = []
         self._claims = {
-            (create, touch): claim_sql(fence_sql, create=create, touch=touch, types=False)
+            (create, touch): claim_sql(fence_sql, create=create, touch=touch, postgres=False)
             for create in (False, True)
             for touch in (False, True)
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import asyncpg
@@ -246,6 +247,34 @@ def test_a_write_that_waited_on_its_row_while_the_hold_was_lost_stores_nothing(
     )
     assert tool_server.per_call("slow_post")[slow.tool_call_id] == 1, tool_server.invocations
     assert_history_consistent(messages)
+
+
+def test_a_delete_that_waited_on_its_row_while_the_hold_was_lost_deletes_nothing(
+    servers: Servers, database_url: str
+) -> None:
+    """As above for a DELETE on A: it waits on the session's row, A's hold ends, and B's turn
+    takes the session and waits on the row too. The delete deletes nothing; B's turn runs."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session = "s-delete-row-wait"
+    with b.client() as client:
+        ok(client.post("/v1/runs", json=run_body("echo", "first", session)))
+    with ThreadPoolExecutor(max_workers=1) as pool, a.client() as on_a:
+        with SessionRowLock(database_url, session_id=session) as row:
+            deleting = pool.submit(on_a.delete, f"/v1/sessions/{session}")
+            wait_for(row.blocked, timeout=20, what="A's delete waiting on the row")
+            assert drop_lock_connections(database_url) == 1  # A's hold is gone
+            on_b = Background(b.url, run_body("echo", "second", session))
+            wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
+        taken = on_b.join(30)
+        assert isinstance(taken, httpx.Response), taken
+        run = ok(taken)
+        assert run["status"] == "complete", run
+        refused = assert_problem(deleting.result(timeout=30), 409, "session_busy")
+        assert refused["active_run_id"] == run["run_id"], refused
+    with b.client() as client:
+        users = [m["content"] for m in history(client, session) if m["role"] == "user"]
+    assert users == ["first", "second"], users
 
 
 def test_a_holder_whose_lock_connection_ended_with_no_taker_takes_the_session_again(

@@ -97,6 +97,9 @@ class Ownership(Protocol):
     # its own (PostgreSQL: taking, releasing and taking over locks, and the heartbeats and
     # readiness pings); the bench counts those a session's turn sends.
     statements: int
+    # Whether other processes see this one's holds: a session held here refuses their
+    # requests (409), where a request of this process waits for a hold that runs no turn.
+    shared: bool
 
     def hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """Own the session for the block, or raise SessionBusy (active_run_id may be None).
@@ -184,6 +187,7 @@ class LocalOwnership(Ownership):
     def __init__(self, lock_file: Path | None = None) -> None:
         self.active = ActiveRuns()
         self.statements = 0  # none: the lock is this process's memory
+        self.shared = False
         self._lock_file = lock_file
         self._lock_fd: int | None = None
 

@@ -102,6 +102,7 @@ class PostgresOwnership(Ownership):
 
     def __init__(self, database_url: str, *, heartbeat_s: float, takeover_after_s: float) -> None:
         self.active = ActiveRuns()
+        self.shared = True
         self._open = pg_connector(database_url)
         self._heartbeat_s = heartbeat_s
         self._takeover_after_s = takeover_after_s

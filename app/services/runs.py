@@ -113,10 +113,12 @@ class RunService:
         if not self.db.durable:
             raise MemoryStoreNotDurable()
         turn = self._turn(body, tenant_id=tenant_id, key=idempotency_key)
-        if idempotency_key is not None:
-            # A keyed turn whose record is its answer is answered without holding the session
-            # (the record never changes once it is): held, the session would refuse a turn
-            # that another replica is asked to run meanwhile.
+        if idempotency_key is not None or self.ownership.shared:
+            # Asked before the session is held: held, it refuses the turns other replicas
+            # are asked to run meanwhile, so a caller with no right to the session (another
+            # tenant's, another user's) must not hold it, and a keyed turn whose record is
+            # its answer (the record never changes once it is) is answered without holding
+            # it. (In one process a turn waits for a hold that runs no turn.)
             earlier = await self._precheck(turn, body=body)
             if earlier is not None:
                 return await self._replay(earlier, turn=turn)

@@ -10,7 +10,7 @@ connection takes the session again if nothing was stored to it since (`_regained
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from functools import partial
@@ -19,7 +19,7 @@ from typing import Any
 from typing_extensions import override
 
 from app.db.base import utcnow
-from app.db.journal import JournalStore, JournalWrite, WriteOutcomeUnknown
+from app.db.journal import JournalStore, JournalWrite, StoredTail, WriteOutcomeUnknown
 from app.db.outages import unavailable
 from app.domain import Message, RunStatus, Usage
 from app.errors import SessionConflict
@@ -216,8 +216,18 @@ class DurableJournal(Journal):
         asks) or the one after it, and the write then stored (sent again if it had not
         committed). Any other state is another runner's doing."""
         after = (write.new_count, (write.run_values or {}).get("status", RunStatus.RUNNING.value))
+
+        async def whose(index: int) -> bool:
+            # Another runner continuing this keyed turn under its run_id can leave the same
+            # count and status: the last stored message says whether the write is this one.
+            if index == 0 or not write.messages:
+                return True
+            return await self._store.last_message(write.session_id) == StoredTail.of(
+                write.messages[-1]
+            )
+
         # Before and after alike (a run update that leaves the status): it is sent again.
-        found = await self._taken_again(turn, turn.stored_state(), after)
+        found = await self._taken_again(turn, turn.stored_state(), after, mine=whose)
         if found is None:
             return False
         committed = found == 1
@@ -229,10 +239,15 @@ class DurableJournal(Journal):
             await self._send_again(write)
         return True
 
-    async def _taken_again(self, turn: Turn, *states: tuple[int | None, str | None]) -> int | None:
+    async def _taken_again(
+        self,
+        turn: Turn,
+        *states: tuple[int | None, str | None],
+        mine: Callable[[int], Awaitable[bool]] | None = None,
+    ) -> int | None:
         """Take the turn's session again if no other runner holds it and its stored state
-        (message count, this run's status) is one of `states`: the index of the first it is,
-        or None (the session not taken)."""
+        (message count, this run's status) is one of `states` (and `mine` says yes to its
+        index): the index of the first it is, or None (the session not taken)."""
         session_id = turn.session_id
         assert session_id is not None
         found: list[int] = []
@@ -240,7 +255,9 @@ class DurableJournal(Journal):
         async def expected() -> bool:
             state = await self._store.stored(session_id, run_id=turn.run_id)
             if state in states:
-                found.append(states.index(state))
+                index = states.index(state)
+                if mine is None or await mine(index):
+                    found.append(index)
             return bool(found)
 
         return found[0] if await self._ownership.retake(session_id, unchanged=expected) else None

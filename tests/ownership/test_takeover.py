@@ -277,6 +277,62 @@ def test_a_delete_that_waited_on_its_row_while_the_hold_was_lost_deletes_nothing
     assert users == ["first", "second"], users
 
 
+def test_a_write_whose_outcome_was_unknown_is_not_taken_for_another_runners(
+    servers: Servers, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+) -> None:
+    """A's step-2 write #1 waits on the session's row; A is paused, its hold and that write
+    both end (the write never committed). The client sends the keyed turn to B, which
+    continues the same run: it stores its own step-2 write #1, as many messages as A's, posts,
+    and dies. A, resumed, finds the session as its write would have left it in count and
+    status, but the stored call is B's: A must not take it for its own write and post."""
+    a, b = servers.new("a"), servers.new("b", failpoints="after-handlers")
+    servers.start_all(a, b)
+    assert a.process is not None
+    session, key = "s-unknown-write", {"Idempotency-Key": "turn-51"}
+    body = run_body("two-steps", "Triage issue 9", session)
+    fake_model.set_delay(2)
+    on_a = Background(a.url, body, headers=key)
+    wait_for(lambda: len(fake_model.requests) == 2, timeout=20, what="A's second model call")
+    with SessionRowLock(database_url, session_id=session) as row:
+        wait_for(row.blocked, timeout=20, what="A's step-2 write #1 waiting on the row")
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            assert drop_lock_connections(database_url) == 1  # A's hold
+            assert _end_lock_waiters(database_url) == 1  # A's write #1, never committed
+        except BaseException:
+            a.process.send_signal(signal.SIGCONT)
+            raise
+    fake_model.set_delay(0)
+    try:
+        assert isinstance(Background(b.url, body, headers=key).join(30), httpx.TransportError)
+    finally:
+        a.process.send_signal(signal.SIGCONT)
+    answer = on_a.join(30)
+    assert isinstance(answer, httpx.Response), answer
+    assert answer.status_code != 200, answer.text
+    with servers.start("c").client() as client:
+        stored = {c["id"] for c in tool_calls(history(client, session))}
+    posted = [i.tool_call_id for i in tool_server.invocations if i.tool == "post_slack"]
+    assert len(posted) == 1 and posted[0] in stored, (posted, stored)
+
+
+def _end_lock_waiters(database_url: str) -> int:
+    """Terminate the backends whose statement waits on a lock."""
+
+    async def run() -> int:
+        conn = await asyncpg.connect(database_url)
+        try:
+            rows = await conn.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+        finally:
+            await conn.close()
+        return len(rows)
+
+    return asyncio.run(run())
+
+
 def test_a_holder_whose_lock_connection_ended_with_no_taker_takes_the_session_again(
     servers: Servers, database_url: str, tool_server: ToolServer
 ) -> None:

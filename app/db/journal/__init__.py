@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from app.db.journal.postgres import PostgresJournalStore
 from app.db.journal.sqlite import SqliteJournalStore
-from app.db.journal.write import JournalStore, JournalWrite, WriteOutcomeUnknown
+from app.db.journal.write import JournalStore, JournalWrite, StoredTail, WriteOutcomeUnknown
 from app.db.session import Database, InlineTransactor
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "JournalWrite",
     "PostgresJournalStore",
     "SqliteJournalStore",
+    "StoredTail",
     "WriteOutcomeUnknown",
     "journal_store",
 ]

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from app.db.journal.sql import (
     JSON_COLUMNS,
+    LAST_MESSAGE_SQL,
     MESSAGE_COLUMNS,
     RUN_COLUMNS,
     SESSION_COLUMNS,
@@ -28,7 +29,7 @@ from app.db.journal.sql import (
     interrupted_sql,
     run_update_sql,
 )
-from app.db.journal.write import JournalStore, JournalWrite, WriteOutcomeUnknown
+from app.db.journal.write import JournalStore, JournalWrite, StoredTail, WriteOutcomeUnknown
 from app.db.outages import (
     PG_CONNECTION_ERRORS,
     pg_read_only,
@@ -103,9 +104,11 @@ class PostgresJournalStore(JournalStore):
     _statements: dict[_Shape, _Statement] = field(default_factory=dict)
     _state: _Statement = field(init=False)
     _stored: _Statement = field(init=False)
+    _last: _Statement = field(init=False)
 
     def __post_init__(self) -> None:
         self._stored = _Statement.of(f"SELECT {STORED_COLUMNS}")
+        self._last = _Statement.of(LAST_MESSAGE_SQL)
         # What tells whether a write whose connection died had committed (`_resend_after`).
         self._state = _Statement.of(f"SELECT {self.fence_sql} AS owned, {STORED_COLUMNS}")
 
@@ -117,6 +120,14 @@ class PostgresJournalStore(JournalStore):
         except _ConnectionLost as lost:
             raise unavailable(lost.error) from lost.error
         return row["count"], row["status"]
+
+    @override
+    async def last_message(self, session_id: str) -> StoredTail | None:
+        try:
+            row = await self._read(self._last, params={"session_id": session_id}, patient=True)
+        except _ConnectionLost as lost:
+            raise unavailable(lost.error) from lost.error
+        return None if row is None else StoredTail.of_row(tuple(row.values()))
 
     async def _read(self, statement: _Statement, *, params: dict[str, Any], patient: bool) -> Any:
         """The statement's one row; read once more on a new connection if its connection

@@ -71,6 +71,15 @@ STORED_COLUMNS = (
 )
 
 
+# JournalStore.last_message: the session's last stored message, as far as telling whose it
+# is goes (a call's ids are the model's, unique).
+LAST_MESSAGE_SQL = (
+    "SELECT role, content, tool_call_id, tool_calls FROM message"
+    " WHERE session_key = (SELECT key FROM session WHERE id = :session_id)"
+    " ORDER BY seq DESC LIMIT 1"
+)
+
+
 def claim_sql(fence_sql: str, *, create: bool, touch: bool, postgres: bool) -> str:
     """The claim every write starts with: create the session, or advance its message count
     from `:expected` to `:new_count` — only while the fence holds. On PostgreSQL

@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from app.db import models
 from app.db.journal.sql import (
+    LAST_MESSAGE_SQL,
     MESSAGE_COLUMNS,
     RUN_COLUMNS,
     STORED_COLUMNS,
@@ -17,7 +18,7 @@ from app.db.journal.sql import (
     interrupted_sql,
     run_update_sql,
 )
-from app.db.journal.write import JournalStore, JournalWrite
+from app.db.journal.write import JournalStore, JournalWrite, StoredTail
 from app.db.outages import sqlite_statement_error, unavailable
 from app.db.repositories import message_to_row
 from app.db.session import InlineTransactor
@@ -87,6 +88,14 @@ class SqliteJournalStore(JournalStore):
             params = {"session_id": session_id, "run_id": run_id}
             count, status = driver.execute(f"SELECT {STORED_COLUMNS}", params).fetchone()
             return count, status
+
+        return await self._writes.transact_driver(read)
+
+    @override
+    async def last_message(self, session_id: str) -> StoredTail | None:
+        def read(driver: sqlite3.Connection) -> StoredTail | None:
+            row = driver.execute(LAST_MESSAGE_SQL, {"session_id": session_id}).fetchone()
+            return None if row is None else StoredTail.of_row(row)
 
         return await self._writes.transact_driver(read)
 

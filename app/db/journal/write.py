@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -62,3 +63,35 @@ class JournalStore(Protocol):
     async def stored(self, session_id: str, *, run_id: str) -> tuple[int | None, str | None]:
         """The session's message count and the run's status as stored (None: no such row)."""
         ...
+
+    async def last_message(self, session_id: str) -> StoredTail | None:
+        """What tells whose the session's last stored message is (None: none stored)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoredTail:
+    """A stored message as far as telling whose it is goes: its role, text, and the ids of
+    the call it answers or the calls it makes (the model's, unique)."""
+
+    role: str
+    content: str | None
+    tool_call_id: str | None
+    tool_call_ids: tuple[str, ...]
+
+    @classmethod
+    def of_row(cls, row: Sequence[Any]) -> StoredTail:
+        """From the row of LAST_MESSAGE_SQL (its JSON column as the driver gives it)."""
+        role, content, tool_call_id, tool_calls = row
+        calls = json.loads(tool_calls) if isinstance(tool_calls, str) else tool_calls
+        return cls(role, content, tool_call_id, tuple(c["id"] for c in calls or ()))
+
+    @classmethod
+    def of(cls, message: Message) -> StoredTail:
+        """What a message to be written would show once stored."""
+        return cls(
+            message.role.value,
+            message.content,
+            message.tool_call_id,
+            tuple(c.id for c in message.tool_calls),
+        )

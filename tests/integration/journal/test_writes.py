@@ -8,9 +8,9 @@ import sqlite3
 import asyncpg
 import pytest
 
-from app.db.journal import journal_store
+from app.db.journal import StoredTail, journal_store
 from app.db.session import Database
-from app.domain import Message, Role, RunStatus, Usage
+from app.domain import Message, Role, RunStatus, ToolCall, Usage
 from app.errors import SessionConflict
 from app.failpoints import Failpoints
 from app.metrics import Metrics
@@ -80,6 +80,26 @@ async def test_the_store_reports_the_stored_count_and_run_status(db: Database) -
     assert await store.stored(SESSION, run_id=turn.run_id) == (2, RunStatus.RUNNING.value)
     assert await store.stored(SESSION, run_id=turn.run_id) == turn.stored_state()
     assert await store.stored(SESSION, run_id="no-such-run") == (2, None)
+
+
+async def test_the_store_tells_whose_the_last_message_is(db: Database) -> None:
+    # What a re-take after a write of unknown outcome compares with that write's last message.
+    ownership = LocalOwnership()
+    store = journal_store(db, fence_sql=ownership.fence_sql)
+    journal = DurableJournal(
+        store, failpoints=Failpoints.parse(None), ownership=ownership, metrics=Metrics()
+    )
+    assert await store.last_message(SESSION) is None
+    turn = await start(journal, "buy it")
+    assert await store.last_message(SESSION) is None
+    step = Message.assistant("on it", tool_calls=CALLS)
+    await journal.record_step(turn, assistant=step)
+    assert await store.last_message(SESSION) == StoredTail.of(step)
+    another = Message.assistant("on it", tool_calls=[ToolCall("toolu_other", "buy", {})])
+    assert await store.last_message(SESSION) != StoredTail.of(another)
+    results = results_for(*CALLS)
+    await journal.record_results(turn, results=results)
+    assert await store.last_message(SESSION) == StoredTail.of(results[-1])
 
 
 async def test_the_first_step_writes_user_and_assistant_together(

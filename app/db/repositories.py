@@ -234,13 +234,15 @@ def delete_session(
     """Delete the session with its runs and messages (a Transactor body), only while the
     ownership's fence holds, as every durable write checks it: the session's row is
     locked first, so a write of whoever took the session over waits for this one and then
-    finds nothing to write to, and the fence is asked after the lock (the hold may have
-    ended while the lock was waited for). SessionConflict, and nothing deleted, if the
-    fence does not hold."""
+    finds nothing to write to, and the fence is asked last, before the commit (the hold
+    may have ended while the lock, or a delete, waited for a row). SessionConflict, and
+    nothing deleted, if the fence does not hold."""
     locked = select(models.Session.key).where(models.Session.id == session_id).with_for_update()
     key = conn.execute(locked).scalar()
-    if key is None or not conn.execute(select(text(fence_sql).bindparams(**fence))).scalar():
+    if key is None:
         raise SessionConflict(session_id)
     conn.execute(delete(models.Message).where(models.Message.session_key == key))
     conn.execute(delete(models.Run).where(models.Run.session_id == session_id))
     conn.execute(delete(models.Session).where(models.Session.id == session_id))
+    if not conn.execute(select(text(fence_sql).bindparams(**fence))).scalar():
+        raise SessionConflict(session_id)  # and the deletes are rolled back

@@ -7,6 +7,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import asyncpg
 import httpx
@@ -249,20 +250,22 @@ def test_a_write_that_waited_on_its_row_while_the_hold_was_lost_stores_nothing(
     assert_history_consistent(messages)
 
 
-def test_a_delete_that_waited_on_its_row_while_the_hold_was_lost_deletes_nothing(
-    servers: Servers, database_url: str
+@pytest.mark.parametrize("table", ["session", "message"])
+def test_a_delete_that_waited_on_a_row_while_the_hold_was_lost_deletes_nothing(
+    servers: Servers, database_url: str, table: Literal["session", "message"]
 ) -> None:
-    """As above for a DELETE on A: it waits on the session's row, A's hold ends, and B's turn
-    takes the session and waits on the row too. The delete deletes nothing; B's turn runs."""
+    """As above for a DELETE on A: it waits on the session's row (or, the session's row
+    locked, on its messages' rows), A's hold ends, and B's turn takes the session and waits
+    on its row. The delete deletes nothing; B's turn runs."""
     a, b = servers.new("a"), servers.new("b")
     servers.start_all(a, b)
     session = "s-delete-row-wait"
     with b.client() as client:
         ok(client.post("/v1/runs", json=run_body("echo", "first", session)))
     with ThreadPoolExecutor(max_workers=1) as pool, a.client() as on_a:
-        with SessionRowLock(database_url, session_id=session) as row:
+        with SessionRowLock(database_url, session_id=session, table=table) as row:
             deleting = pool.submit(on_a.delete, f"/v1/sessions/{session}")
-            wait_for(row.blocked, timeout=20, what="A's delete waiting on the row")
+            wait_for(row.blocked, timeout=20, what="A's delete waiting on a row")
             assert drop_lock_connections(database_url) == 1  # A's hold is gone
             on_b = Background(b.url, run_body("echo", "second", session))
             wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")

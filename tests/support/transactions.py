@@ -1,6 +1,6 @@
 """Looking into a transaction while it is open: a failpoint that raises instead of ending the
-process, whether a write's rows were sent uncommitted, and a session row or the message table
-held locked."""
+process, whether a write's rows were sent uncommitted, and a session's rows or the message
+table held locked."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import asyncpg
 
@@ -73,13 +74,28 @@ def results_sent_uncommitted(db: Database, results: int) -> bool:
         return pool.submit(asyncio.run, look()).result(timeout=30)
 
 
-class SessionRowLock:
-    """Holds the session's row FOR UPDATE in a transaction of another connection (PostgreSQL),
-    so that a turn's writes on it wait; `blocked()` says whether a statement waits."""
+_ROWS = {
+    "session": "SELECT 1 FROM session WHERE id = $1 FOR UPDATE",
+    "message": "SELECT 1 FROM message WHERE session_key ="
+    " (SELECT key FROM session WHERE id = $1) FOR UPDATE",
+}
 
-    def __init__(self, database_url: str, *, session_id: str) -> None:
+
+class SessionRowLock:
+    """Holds the session's row (or its messages' rows: `table`) FOR UPDATE in a transaction
+    of another connection (PostgreSQL), so that a turn's writes on it, or a delete, wait;
+    `blocked()` says whether a statement waits."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        session_id: str,
+        table: Literal["session", "message"] = "session",
+    ) -> None:
         self._dsn = asyncpg_dsn(database_url)
         self._session_id = session_id
+        self._rows = _ROWS[table]
         self._locked = threading.Event()
         self._release = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._hold()), daemon=True)
@@ -88,9 +104,7 @@ class SessionRowLock:
         conn = await asyncpg.connect(self._dsn)
         try:
             async with conn.transaction():
-                await conn.execute(
-                    "SELECT 1 FROM session WHERE id = $1 FOR UPDATE", self._session_id
-                )
+                await conn.execute(self._rows, self._session_id)
                 self._locked.set()
                 await asyncio.to_thread(self._release.wait, 60)
         finally:

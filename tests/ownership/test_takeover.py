@@ -250,6 +250,42 @@ def test_a_write_that_waited_on_its_row_while_the_hold_was_lost_stores_nothing(
     assert_history_consistent(messages)
 
 
+def test_an_end_write_that_waited_on_its_run_row_while_the_hold_was_lost_stores_nothing(
+    servers: Servers, database_url: str, fake_model: FakeAnthropic
+) -> None:
+    """As above for A's end write, which waits on its run's row (another client holds the
+    session's runs FOR UPDATE) after it has locked the session's row."""
+    a, b = servers.new("a"), servers.new("b")
+    servers.start_all(a, b)
+    session = "s-run-row-wait"
+    fake_model.set_delay(2)
+    on_a = Background(a.url, run_body("echo", "first", session))
+    with a.client() as client:
+        wait_for(
+            lambda: client.get(f"/v1/sessions/{session}").status_code == 200,
+            timeout=20,
+            what="A's start write",
+        )
+    with SessionRowLock(database_url, session_id=session, table="run") as row:
+        fake_model.set_delay(0)
+        wait_for(row.blocked, timeout=20, what="A's end write waiting on its run's row")
+        assert drop_lock_connections(database_url) == 1  # A's hold is gone
+        on_b = Background(b.url, run_body("echo", "second", session))
+        wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
+    answer = on_a.join(30)
+    assert isinstance(answer, httpx.Response), answer
+    taken = on_b.join(30)
+    assert isinstance(taken, httpx.Response), taken
+    run = ok(taken)
+    assert run["status"] == "complete", run
+    assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
+    with b.client() as client:
+        runs = {r["run_id"]: r["status"] for r in session_runs(client, session)}
+        users = [m["content"] for m in history(client, session) if m["role"] == "user"]
+    assert users == ["second"], users  # A's turn stored nothing: its user message neither
+    assert sorted(runs.values()) == ["complete", "interrupted"], runs
+
+
 @pytest.mark.parametrize("table", ["session", "message"])
 def test_a_delete_that_waited_on_a_row_while_the_hold_was_lost_deletes_nothing(
     servers: Servers, database_url: str, table: Literal["session", "message"]

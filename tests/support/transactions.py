@@ -78,11 +78,12 @@ _ROWS = {
     "session": "SELECT 1 FROM session WHERE id = $1 FOR UPDATE",
     "message": "SELECT 1 FROM message WHERE session_key ="
     " (SELECT key FROM session WHERE id = $1) FOR UPDATE",
+    "run": "SELECT 1 FROM run WHERE session_id = $1 FOR UPDATE",
 }
 
 
 class SessionRowLock:
-    """Holds the session's row (or its messages' rows: `table`) FOR UPDATE in a transaction
+    """Holds the session's row (or its messages' or runs' rows: `table`) FOR UPDATE in a transaction
     of another connection (PostgreSQL), so that a turn's writes on it, or a delete, wait;
     `blocked()` says whether a statement waits."""
 
@@ -91,7 +92,7 @@ class SessionRowLock:
         database_url: str,
         *,
         session_id: str,
-        table: Literal["session", "message"] = "session",
+        table: Literal["session", "message", "run"] = "session",
     ) -> None:
         self._dsn = asyncpg_dsn(database_url)
         self._session_id = session_id

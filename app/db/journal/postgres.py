@@ -309,6 +309,7 @@ class PostgresJournalStore(JournalStore):
             create=shape.create,
             touch=shape.touch,
             postgres=True,
+            runs=bool(shape.run_columns) or shape.interrupted,
         )
         ctes = [f"claim AS ({claim} RETURNING key)"]
         if shape.messages:
@@ -341,6 +342,7 @@ class PostgresJournalStore(JournalStore):
             "new_count": write.new_count,
             "now": write.now,
             "interrupted": list(write.interrupted),
+            "locked_runs": ([write.run_id] if write.run_values else []) + list(write.interrupted),
             **write.fence,
         }
         if write.new_session is not None:

@@ -80,13 +80,16 @@ LAST_MESSAGE_SQL = (
 )
 
 
-def claim_sql(fence_sql: str, *, create: bool, touch: bool, postgres: bool) -> str:
+def claim_sql(
+    fence_sql: str, *, create: bool, touch: bool, postgres: bool, runs: bool = False
+) -> str:
     """The claim every write starts with: create the session, or advance its message count
     from `:expected` to `:new_count` — only while the fence holds. On PostgreSQL
     (`postgres`) a created session's parameters are cast to their column types, and the fence
-    is asked once the row is locked: asked of the row as its scan found it, it would be
-    this runner's answer from before any wait for the row, and a client that only locked
-    it (`SELECT … FOR UPDATE`) leaves nothing for PostgreSQL to check again, so a write could
+    is asked once the session's row, and with `runs` the run rows the write updates
+    (`:locked_runs`), are locked: asked of the row as its scan found it, it would be this
+    runner's answer from before any wait for a row, and a client that only locked one
+    (`SELECT … FOR UPDATE`) leaves nothing for PostgreSQL to check again, so a write could
     commit after its runner lost the session during the wait. (SQLite has one writer at a
     time: a write there waits for the file, not for a row.)"""
     if create:
@@ -100,16 +103,25 @@ def claim_sql(fence_sql: str, *, create: bool, touch: bool, postgres: bool) -> s
     update = f"UPDATE session SET message_count = :new_count{touched}"
     if not postgres:
         return f"{update} WHERE id = :session_id AND message_count = :expected AND {fence_sql}"
-    # The fence filters the row the CTE locked, so it is asked after any wait for the lock: a
-    # MATERIALIZED CTE's query runs as written (of a subquery's, PostgreSQL moved the fence
-    # below the lock).
-    locked = (
-        "SELECT id FROM session WHERE id = :session_id AND message_count = :expected"
-        " FOR NO KEY UPDATE"
-    )
+    # MATERIALIZED CTEs run as written (of a subquery, PostgreSQL moved the fence below the
+    # lock). The session's row is locked first, as a DELETE locks it, then the runs in the
+    # order of their ids; the fence filters the locked session row, after a count of the
+    # locked runs that PostgreSQL evaluates before that row's scan.
+    ctes = [
+        "locked AS MATERIALIZED (SELECT id FROM session"
+        " WHERE id = :session_id AND message_count = :expected FOR NO KEY UPDATE)"
+    ]
+    after_runs = ""
+    if runs:
+        ctes.append(
+            "runs AS MATERIALIZED (SELECT id FROM run"
+            " WHERE id = ANY(CAST(:locked_runs AS text[])) AND EXISTS (SELECT 1 FROM locked)"
+            " ORDER BY id FOR NO KEY UPDATE)"
+        )
+        after_runs = "(SELECT count(*) FROM runs) >= 0 AND "
     return (
-        f"WITH locked AS MATERIALIZED ({locked})"
-        f" {update} WHERE id = (SELECT id FROM locked WHERE {fence_sql})"
+        f"WITH {', '.join(ctes)}"
+        f" {update} WHERE id = (SELECT id FROM locked WHERE {after_runs}{fence_sql})"
     )
 
 

@@ -165,6 +165,7 @@ def serve(host: str, *, port: int) -> None:
     # Imported here: the app loads the anthropic SDK (~2 s), which `--help` and `migrate`
     # have no use for.
     from app.main import create_app
+    from app.request_head import BoundedHeadProtocol
 
     settings = _settings()
     try:
@@ -178,11 +179,8 @@ def serve(host: str, *, port: int) -> None:
         port=port,
         log_config=None,
         access_log=False,  # app.logs.AccessLog writes one line per request instead
-        # h11 holds a request's line and headers to 16 KiB (answering 400 past it), where
-        # httptools takes headers of any size, before the API key is asked for; its cost,
-        # ~0.2 ms a request, is nothing beside a turn's. No route is a WebSocket.
-        http="h11",
-        ws="none",
+        http=BoundedHeadProtocol,
+        ws="none",  # no route is a WebSocket
         # uvicorn waits with asyncio.wait_for, which takes a fraction of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
     )

@@ -157,6 +157,14 @@ class PayloadTooLarge(AppError):
     title = "Payload too large"
 
 
+class HeadersTooLarge(AppError):
+    """A request's line and headers past their limit (app/request_head.py)."""
+
+    code = "headers_too_large"
+    status = 431
+    title = "Request header fields too large"
+
+
 class HttpError(AppError):
     """Any other HTTP error the framework raises, with its own status."""
 

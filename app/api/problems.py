@@ -15,6 +15,7 @@ from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.errors import (
     AppError,
     DatabaseUnavailable,
+    HeadersTooLarge,
     HttpError,
     MethodNotAllowed,
     NotFound,
@@ -161,9 +162,15 @@ _PROBLEM_HEADERS: dict[int, dict[str, Any]] = {
 
 
 # What any route may answer: 413 for a body over the limit (on any method, before the route
-# is reached), 503 when shutdown begins while its body is still arriving, and 500 for what
-# went wrong unforeseen.
-EVERY_ROUTE: tuple[type[AppError], ...] = (PayloadTooLarge, ShuttingDown, AppError)
+# is reached), 431 for a request line and headers over theirs (`agent-runner serve`'s HTTP
+# parser: app/request_head.py), 503 when shutdown begins while its body is still arriving,
+# and 500 for what went wrong unforeseen.
+EVERY_ROUTE: tuple[type[AppError], ...] = (
+    PayloadTooLarge,
+    HeadersTooLarge,
+    ShuttingDown,
+    AppError,
+)
 
 
 def responses(*errors: type[AppError]) -> dict[int | str, dict[str, Any]]:

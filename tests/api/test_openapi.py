@@ -109,7 +109,7 @@ def test_problem_statuses_of_each_route(openapi: Json) -> None:
     # Any route may answer these: a body over 1 MiB (any method), shutdown while its body
     # is still arriving, and the unforeseen.
     for method, path in ops:
-        assert statuses(method, path) >= {"413", "500", "503"}, (method, path)
+        assert statuses(method, path) >= {"413", "431", "500", "503"}, (method, path)
 
 
 def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> None:
@@ -137,6 +137,7 @@ def test_each_problem_response_names_the_codes_it_may_carry(openapi: Json) -> No
         "shutting_down",
     }
     assert codes("get", "/healthz", "413") == {"payload_too_large"}
+    assert codes("get", "/healthz", "431") == {"headers_too_large"}
     assert codes("get", "/healthz", "500") == {"internal_error"}
     assert codes("get", "/healthz", "503") == {"shutting_down"}
     assert codes("get", "/v1/sessions/{session_id}", "503") == {

@@ -1,48 +1,115 @@
-"""A request's line and headers are held to 16 KiB (h11's limit): a client, with or without
-a key, cannot have the server take in more of them (a 200 MB header had been read whole)."""
+"""`agent-runner serve`'s HTTP parser: a request's line and headers are held to 16 KiB (a
+200 MB header had been read whole, with or without a key), and a request that could smuggle
+another past a proxy is refused and its connection closed."""
 
 from __future__ import annotations
 
+import json
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from tests.support.server import AgentsServer
+import pytest
 
-CHUNK = b"a" * 65_536
+from tests.support.server import AgentsServer, ServerProcess
+
+KEY = "Bearer key-a"
 
 
-def _send_until_refused(port: int, *, head: bytes, most: int) -> tuple[int, bytes]:
-    """Send `head`, then header bytes in chunks, up to `most` bytes: how many were sent
-    before the server stopped taking them, and what it answered."""
-    sent = 0
+@pytest.fixture
+def server(agents_server: AgentsServer) -> Iterator[ServerProcess]:
+    served = agents_server(database_url="memory://", env={"API_KEYS": "key-a:acme"})
+    with served:
+        yield served
+
+
+@contextmanager
+def _connection(server: ServerProcess) -> Iterator[socket.socket]:
+    port = int(server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        try:
-            sock.sendall(head)
-            while sent < most:
-                sock.sendall(CHUNK)
-                sent += len(CHUNK)
-            sock.sendall(b"\r\n\r\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        answer = b""
-        try:
-            while chunk := sock.recv(65_536):
-                answer += chunk
-        except ConnectionResetError:
-            pass
-    return sent, answer
+        yield sock
 
 
-def test_a_request_head_past_16_kib_is_refused_before_it_is_all_sent(
-    agents_server: AgentsServer,
+def _send_in_pieces(sock: socket.socket, data: bytes, *, piece: int) -> int:
+    """Send `data` a piece at a time, each its own read for the server; how much was sent
+    before the server stopped taking it."""
+    sent = 0
+    try:
+        while sent < len(data):
+            sock.sendall(data[sent : sent + piece])
+            sent += min(piece, len(data) - sent)
+            time.sleep(0.002)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return sent
+
+
+def _answers(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    answer = b""
+    try:
+        while chunk := sock.recv(65_536):
+            answer += chunk
+    except ConnectionResetError:
+        pass
+    return answer
+
+
+def _request(header_bytes: int) -> bytes:
+    return (
+        b"GET /v1/agents HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        + f"Authorization: {KEY}\r\n".encode()
+        + b"X-Big: "
+        + b"a" * header_bytes
+        + b"\r\n\r\n"
+    )
+
+
+def test_a_head_past_16_kib_is_refused_before_it_is_all_sent(server: ServerProcess) -> None:
+    with _connection(server) as sock:
+        sent = _send_in_pieces(sock, _request(64 * 2**20), piece=65_536)
+        answer = _answers(sock)
+    assert sent < 4 * 2**20, f"{sent} bytes of one header taken"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), answer[:300]
+    assert b"content-type: application/problem+json" in head.lower()
+    assert json.loads(body)["code"] == "headers_too_large"
+
+
+@pytest.mark.parametrize(("header_bytes", "status"), [(15_000, b"200"), (20_000, b"431")])
+def test_the_limit_is_16_kib_of_line_and_headers(
+    server: ServerProcess, header_bytes: int, status: bytes
 ) -> None:
-    server = agents_server(database_url="memory://", env={"API_KEYS": "key-a:acme"})
-    with server, server.client() as client:
-        port = int(server.url.rsplit(":", 1)[1])
-        head = b"GET /v1/agents HTTP/1.1\r\nHost: x\r\nX-Big: "
-        sent, answer = _send_until_refused(port, head=head, most=64 * 2**20)
-        assert sent < 4 * 2**20, f"{sent} bytes of one header taken"
-        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
-        # Under the limit, headers are the app's: the key is asked for.
+    # In pieces of 1 KiB, each read on its own: the limit applies, not the size of a read.
+    with _connection(server) as sock:
+        _send_in_pieces(sock, _request(header_bytes), piece=1024)
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:300]
+
+
+def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(
+    server: ServerProcess,
+) -> None:
+    # RFC 9112 §6.1: such a request may smuggle another past a proxy that reads its length
+    # the other way; the server must close the connection after answering it.
+    hidden = f"GET /v1/agents HTTP/1.1\r\nHost: x\r\nAuthorization: {KEY}\r\n\r\n".encode()
+    body = b"0\r\n\r\n" + hidden
+    request = (
+        b"POST /healthz HTTP/1.1\r\nHost: x\r\n"
+        + f"Content-Length: {len(body)}\r\n".encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+        + body
+    )
+    with _connection(server) as sock:
+        sock.sendall(request)
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer  # the hidden request was not served
+
+
+def test_headers_under_the_limit_are_the_apps(server: ServerProcess) -> None:
+    with server.client() as client:
         assert client.get("/v1/agents", headers={"X-Big": "a" * 8_000}).status_code == 401
-        ok = client.get("/v1/agents", headers={"Authorization": "Bearer key-a"})
+        ok = client.get("/v1/agents", headers={"Authorization": KEY, "X-Big": "a" * 8_000})
         assert ok.status_code == 200, ok.text

@@ -143,18 +143,20 @@ def test_requests_that_run_no_turn_never_make_a_turn_busy(servers: Servers) -> N
 
 
 @POSTGRES_ONLY
-def test_keyed_requests_that_run_no_turn_never_make_a_turn_on_another_replica_busy(
+def test_requests_that_run_no_turn_never_make_a_turn_on_another_replica_busy(
     servers: Servers,
 ) -> None:
-    """Across replicas too: a keyed request answered without a turn (its replay, another
-    tenant's 404) is decided before it holds the session, so a turn that another replica is
-    asked to run meanwhile is never refused."""
+    """Across replicas too: a request answered without a turn (a keyed turn's replay,
+    another tenant's 404, keyed or not) is decided before it holds the session, so a turn
+    that another replica is asked to run meanwhile is never refused: another tenant cannot
+    keep a session's owner out."""
     a, b = servers.new("a", env=TENANTS), servers.new("b", env=TENANTS)
     servers.start_all(a, b)
     session = "s-not-busy-across"
     noise = [
         ({**ACME, "Idempotency-Key": "k"}, run_body("echo", "Hello", session), 200),  # a replay
         ({**GLOBEX, "Idempotency-Key": "k"}, run_body("echo", "Hello", session), 404),
+        (GLOBEX, run_body("echo", "Hello", session), 404),
     ]
     assert_turns_never_busy(a, noise_at=b, noise=noise, session=session)
 

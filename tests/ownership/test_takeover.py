@@ -18,6 +18,7 @@ from tests.ownership.conftest import Servers
 from tests.ownership.helpers import (
     POSTGRES_ONLY,
     Background,
+    Json,
     assert_durability_error,
     assert_history_consistent,
     assert_problem,
@@ -231,16 +232,8 @@ def test_a_write_that_waited_on_its_row_while_the_hold_was_lost_stores_nothing(
     with SessionRowLock(database_url, session_id=session) as row:
         tool_server.release()  # the handler answers; write #2 waits on the row
         wait_for(row.blocked, timeout=20, what="A's write #2 waiting on the row")
-        assert drop_lock_connections(database_url) == 1  # A's hold is gone
-        on_b = Background(b.url, body)
-        wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
-    answer = on_a.join(30)
-    assert isinstance(answer, httpx.Response), answer
-    taken = on_b.join(30)
-    assert isinstance(taken, httpx.Response), taken
-    run = ok(taken)
-    assert run["status"] == "complete", run
-    assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
+        on_b = _taken_over_while_waiting(row, b, database_url=database_url, body=body)
+    _refused_for_the_taker(on_a, on_b)
     with b.client() as client:
         messages = history(client, session)
     assert_durability_error(
@@ -269,16 +262,9 @@ def test_an_end_write_that_waited_on_its_run_row_while_the_hold_was_lost_stores_
     with SessionRowLock(database_url, session_id=session, table="run") as row:
         fake_model.set_delay(0)
         wait_for(row.blocked, timeout=20, what="A's end write waiting on its run's row")
-        assert drop_lock_connections(database_url) == 1  # A's hold is gone
-        on_b = Background(b.url, run_body("echo", "second", session))
-        wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
-    answer = on_a.join(30)
-    assert isinstance(answer, httpx.Response), answer
-    taken = on_b.join(30)
-    assert isinstance(taken, httpx.Response), taken
-    run = ok(taken)
-    assert run["status"] == "complete", run
-    assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
+        second = run_body("echo", "second", session)
+        on_b = _taken_over_while_waiting(row, b, database_url=database_url, body=second)
+    _refused_for_the_taker(on_a, on_b)
     with b.client() as client:
         runs = {r["run_id"]: r["status"] for r in session_runs(client, session)}
         users = [m["content"] for m in history(client, session) if m["role"] == "user"]
@@ -302,9 +288,8 @@ def test_a_delete_that_waited_on_a_row_while_the_hold_was_lost_deletes_nothing(
         with SessionRowLock(database_url, session_id=session, table=table) as row:
             deleting = pool.submit(on_a.delete, f"/v1/sessions/{session}")
             wait_for(row.blocked, timeout=20, what="A's delete waiting on a row")
-            assert drop_lock_connections(database_url) == 1  # A's hold is gone
-            on_b = Background(b.url, run_body("echo", "second", session))
-            wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
+            second = run_body("echo", "second", session)
+            on_b = _taken_over_while_waiting(row, b, database_url=database_url, body=second)
         taken = on_b.join(30)
         assert isinstance(taken, httpx.Response), taken
         run = ok(taken)
@@ -314,6 +299,28 @@ def test_a_delete_that_waited_on_a_row_while_the_hold_was_lost_deletes_nothing(
     with b.client() as client:
         users = [m["content"] for m in history(client, session) if m["role"] == "user"]
     assert users == ["first", "second"], users
+
+
+def _taken_over_while_waiting(
+    row: SessionRowLock, b: ServerProcess, *, database_url: str, body: Json
+) -> Background:
+    """While A's statement waits on a row `row` holds: A's hold ends, and B's turn `body`
+    takes the session and waits on its row too."""
+    assert drop_lock_connections(database_url) == 1  # A's hold is gone
+    on_b = Background(b.url, body)
+    wait_for(lambda: row.waiting() == 2, timeout=20, what="B's start write waiting too")
+    return on_b
+
+
+def _refused_for_the_taker(on_a: Background, on_b: Background) -> None:
+    """B's turn completed, and A's request was answered 409 naming it."""
+    answer = on_a.join(30)
+    assert isinstance(answer, httpx.Response), answer
+    taken = on_b.join(30)
+    assert isinstance(taken, httpx.Response), taken
+    run = ok(taken)
+    assert run["status"] == "complete", run
+    assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
 
 
 def test_a_write_whose_outcome_was_unknown_is_not_taken_for_another_runners(

@@ -30,15 +30,15 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._in_head = True  # until a request's headers are complete, and after its end
         self._head_bytes = 0
-        self._headers_ended = False  # in the data being read
+        self._ended = False  # a request's headers, or the request, in the data being read
 
     @override
     def data_received(self, data: bytes) -> None:
-        self._headers_ended = False
+        self._ended = False
         super().data_received(data)
-        # Data in which headers ended may hold the next request's start, uncounted: the
-        # count never takes a body's bytes for a head's.
-        if not self._in_head or self._headers_ended or self.transport.is_closing():
+        # Data in which headers or a request ended may hold the next request's start,
+        # uncounted: the count never takes a body's bytes for a head's.
+        if not self._in_head or self._ended or self.transport.is_closing():
             return
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
@@ -46,13 +46,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     @override
     def on_headers_complete(self) -> None:
-        self._in_head, self._headers_ended = False, True
+        self._in_head, self._ended = False, True
         super().on_headers_complete()
 
     @override
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._ended = True, 0, True
 
     def _refuse_head(self) -> None:
         response = problem_response(

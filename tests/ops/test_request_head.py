@@ -113,3 +113,22 @@ def test_headers_under_the_limit_are_the_apps(server: ServerProcess) -> None:
         assert client.get("/v1/agents", headers={"X-Big": "a" * 8_000}).status_code == 401
         ok = client.get("/v1/agents", headers={"Authorization": KEY, "X-Big": "a" * 8_000})
         assert ok.status_code == 200, ok.text
+
+
+def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
+    # The head, then a body of six 32 KiB reads: the bytes of the read in which the body
+    # ended had been counted as the next head's, and the turn was answered 431 (it ran).
+    size = 6 * 32_768
+    frame = json.dumps({"agent": "echo", "message": ""}).encode()
+    body = json.dumps({"agent": "echo", "message": "x" * (size - len(frame))}).encode()
+    assert len(body) == size
+    head = (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
+    )
+    with _connection(server) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)
+        _send_in_pieces(sock, body, piece=32_768)
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]

@@ -72,7 +72,8 @@ class JournalStore(Protocol):
 @dataclass(frozen=True)
 class StoredTail:
     """A stored message as far as telling whose it is goes: its role, text, and the ids of
-    the call it answers or the calls it makes (the model's, unique)."""
+    the call it answers or the calls it makes (the model's: unique only when it makes them at
+    random; see LAST_MESSAGE_SQL)."""
 
     role: str
     content: str | None

@@ -323,19 +323,32 @@ def _refused_for_the_taker(on_a: Background, on_b: Background) -> None:
     assert assert_problem(answer, 409, "session_busy")["active_run_id"] == run["run_id"]
 
 
+@pytest.mark.parametrize("ids", ["random", "reused"])
 def test_a_write_whose_outcome_was_unknown_is_not_taken_for_another_runners(
-    servers: Servers, database_url: str, fake_model: FakeAnthropic, tool_server: ToolServer
+    servers: Servers,
+    database_url: str,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+    ids: str,
 ) -> None:
     """A's step-2 write #1 waits on the session's row; A is paused, its hold and that write
     both end (the write never committed). The client sends the keyed turn to B, which
     continues the same run: it stores its own step-2 write #1, as many messages as A's, posts,
     and dies. A, resumed, finds the session as its write would have left it in count and
-    status, but the stored call is B's: A must not take it for its own write and post."""
+    status, but the stored call is B's: A must not take it for its own write and post. With
+    `reused` ids (the model's ids follow the history, as `scripted:` models' do) B's call
+    has the same id and text as A's: only when it was written tells them apart."""
+    plan = "get_issue;post_slack"
+    servers.add_agent(
+        "unknown-write",
+        model=f"{'plan' if ids == 'random' else 'reuse'}:{plan}",
+        tools=["get_issue", "post_slack"],
+    )
     a, b = servers.new("a"), servers.new("b", failpoints="after-handlers")
     servers.start_all(a, b)
     assert a.process is not None
     session, key = "s-unknown-write", {"Idempotency-Key": "turn-51"}
-    body = run_body("two-steps", "Triage issue 9", session)
+    body = run_body("unknown-write", "Triage issue 9", session)
     fake_model.set_delay(2)
     on_a = Background(a.url, body, headers=key)
     wait_for(lambda: len(fake_model.requests) == 2, timeout=20, what="A's second model call")
@@ -355,7 +368,7 @@ def test_a_write_whose_outcome_was_unknown_is_not_taken_for_another_runners(
         a.process.send_signal(signal.SIGCONT)
     answer = on_a.join(30)
     assert isinstance(answer, httpx.Response), answer
-    assert answer.status_code != 200, answer.text
+    assert_problem(answer, 503, "database_unavailable")  # the write could not be settled
     with servers.start("c").client() as client:
         stored = {c["id"] for c in tool_calls(history(client, session))}
     posted = [i.tool_call_id for i in tool_server.invocations if i.tool == "post_slack"]

@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any
 
 import asyncpg
@@ -127,7 +128,9 @@ class PostgresJournalStore(JournalStore):
             row = await self._read(self._last, params={"session_id": session_id}, patient=True)
         except _ConnectionLost as lost:
             raise unavailable(lost.error) from lost.error
-        return None if row is None else StoredTail.of_row(tuple(row.values()))
+        if row is None:
+            return None
+        return StoredTail.of_row(tuple(row.values()), timestamp=lambda t: t.astimezone(UTC))
 
     async def _read(self, statement: _Statement, *, params: dict[str, Any], patient: bool) -> Any:
         """The statement's one row; read once more on a new connection if its connection

@@ -72,10 +72,9 @@ STORED_COLUMNS = (
 
 
 # JournalStore.last_message: the session's last stored message, as far as telling whose it
-# is goes (by a call's ids: unique when the model makes them at random, as Anthropic's API
-# does; a model whose ids follow the history, as `scripted:` ones do, is not told apart).
+# is goes (StoredTail).
 LAST_MESSAGE_SQL = (
-    "SELECT role, content, tool_call_id, tool_calls FROM message"
+    "SELECT role, content, tool_call_id, tool_calls, created_at FROM message"
     " WHERE session_key = (SELECT key FROM session WHERE id = :session_id)"
     " ORDER BY seq DESC LIMIT 1"
 )

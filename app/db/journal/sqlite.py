@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from typing_extensions import override
@@ -95,7 +96,7 @@ class SqliteJournalStore(JournalStore):
     async def last_message(self, session_id: str) -> StoredTail | None:
         def read(driver: sqlite3.Connection) -> StoredTail | None:
             row = driver.execute(LAST_MESSAGE_SQL, {"session_id": session_id}).fetchone()
-            return None if row is None else StoredTail.of_row(row)
+            return None if row is None else StoredTail.of_row(row, timestamp=_stored_time)
 
         return await self._writes.transact_driver(read)
 
@@ -150,3 +151,8 @@ class SqliteJournalStore(JournalStore):
         """Parameters named `<prefix><column>`, as the column's bind processor stores them."""
         bind = self._bind[table]
         return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}
+
+
+def _stored_time(value: str) -> datetime:
+    """A UTCDateTime as the driver reads it back: the naive UTC text its write stored."""
+    return datetime.fromisoformat(value).replace(tzinfo=UTC)

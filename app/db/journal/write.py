@@ -71,28 +71,35 @@ class JournalStore(Protocol):
 
 @dataclass(frozen=True)
 class StoredTail:
-    """A stored message as far as telling whose it is goes: its role, text, and the ids of
-    the call it answers or the calls it makes (the model's: unique only when it makes them at
-    random; see LAST_MESSAGE_SQL)."""
+    """A stored message as far as telling whose it is goes: its role, text, the ids of the
+    call it answers or the calls it makes, and when it was written. The model's ids are
+    unique only when it makes them at random, and `scripted:` models make them from the
+    history's place, so two runners' steps can match but for the time: every message of a
+    write is stamped with the write's `now`."""
 
     role: str
     content: str | None
     tool_call_id: str | None
     tool_call_ids: tuple[str, ...]
+    created_at: datetime
 
     @classmethod
-    def of_row(cls, row: Sequence[Any]) -> StoredTail:
-        """From the row of LAST_MESSAGE_SQL (its JSON column as the driver gives it)."""
-        role, content, tool_call_id, tool_calls = row
+    def of_row(cls, row: Sequence[Any], *, timestamp: Callable[[Any], datetime]) -> StoredTail:
+        """From the row of LAST_MESSAGE_SQL (its JSON column as the driver gives it, its
+        time read by `timestamp`)."""
+        role, content, tool_call_id, tool_calls, created_at = row
         calls = json.loads(tool_calls) if isinstance(tool_calls, str) else tool_calls
-        return cls(role, content, tool_call_id, tuple(c["id"] for c in calls or ()))
+        ids = tuple(c["id"] for c in calls or ())
+        return cls(role, content, tool_call_id, ids, timestamp(created_at))
 
     @classmethod
     def of(cls, message: Message) -> StoredTail:
-        """What a message to be written would show once stored."""
+        """What a message of a write (its `created_at` the write's `now`) shows once stored."""
+        assert message.created_at is not None
         return cls(
             message.role.value,
             message.content,
             message.tool_call_id,
             tuple(c.id for c in message.tool_calls),
+            message.created_at,
         )

@@ -4,6 +4,8 @@ what conflicts, and what a failed write leaves."""
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
+from datetime import timedelta
 
 import asyncpg
 import pytest
@@ -95,8 +97,14 @@ async def test_the_store_tells_whose_the_last_message_is(db: Database) -> None:
     step = Message.assistant("on it", tool_calls=CALLS)
     await journal.record_step(turn, assistant=step)
     assert await store.last_message(SESSION) == StoredTail.of(step)
-    another = Message.assistant("on it", tool_calls=[ToolCall("toolu_other", "buy", {})])
-    assert await store.last_message(SESSION) != StoredTail.of(another)
+    other_ids = Message.assistant("on it", tool_calls=[ToolCall("toolu_other", "buy", {})])
+    other_ids.created_at = step.created_at
+    assert await store.last_message(SESSION) != StoredTail.of(other_ids)
+    # The same text and ids, as a model whose ids follow the history makes them: written
+    # by another write (another replica's, at another time), it is not this one's.
+    assert step.created_at is not None
+    same_but_later = replace(step, created_at=step.created_at + timedelta(microseconds=1))
+    assert await store.last_message(SESSION) != StoredTail.of(same_but_later)
     results = results_for(*CALLS)
     await journal.record_results(turn, results=results)
     assert await store.last_message(SESSION) == StoredTail.of(results[-1])

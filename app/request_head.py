@@ -9,44 +9,79 @@ Transfer-Encoding, bare-LF line ends, folded headers: ways to smuggle a request 
 
 from __future__ import annotations
 
+import logging
+
 from typing_extensions import override
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.api.problems import problem_response
 from app.errors import HeadersTooLarge
 
+log = logging.getLogger(__name__)
+
 # As h11 and most proxies bound them. A head is refused once more than this has arrived and it
 # is still incomplete: one that ends in the read that passes the limit is taken, so a head can
-# be larger by up to a read (asyncio reads 256 KiB at most).
+# be larger by up to a read (asyncio reads 256 KiB at most). A chunked body's framing and
+# trailers, in reads without a body's bytes, are held to it too.
 MAX_HEAD_BYTES = 16 * 1024
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
     """A request whose head is still incomplete past MAX_HEAD_BYTES is answered 431
-    `headers_too_large` (problem+json), and its connection closed."""
+    `headers_too_large` (problem+json), once the responses to the requests before it on the
+    connection are sent, and its connection closed. A chunked body's trailers are dropped
+    (ASGI has no place for them: httptools's protocol adds them to the headers the app
+    already has), and a connection is closed once reads past MAX_HEAD_BYTES after a head brought
+    none of a body's bytes (a chunked body's framing or trailers)."""
 
     # Positional, as uvicorn builds its protocols (the type's own signature).
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._in_head = True  # until a request's headers are complete, and after its end
+        # Of the head being read, or after it of the reads without a body's bytes.
         self._head_bytes = 0
+        self._body_read = False  # body bytes in the data being read
         self._ended = False  # a request's headers, or the request, in the data being read
+        self._refused = False  # a head refused: the 431 waits for the responses before it
 
     @override
     def data_received(self, data: bytes) -> None:
-        self._ended = False
+        if self._refused:  # read before reading paused
+            return
+        self._ended = self._body_read = False
         super().data_received(data)
         # Data in which headers or a request ended may hold the next request's start,
         # uncounted: the count never takes a body's bytes for a head's.
-        if not self._in_head or self._ended or self.transport.is_closing():
+        if self._ended or self.transport.is_closing():
             return
-        self._head_bytes += len(data)
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse_head()
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+        elif self._body_read:
+            self._head_bytes = 0
+        else:  # a chunked body's framing or trailers (httptools holds a trailer whole)
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                log.warning(
+                    "a request's chunked framing or trailers passed %d KiB: connection closed",
+                    MAX_HEAD_BYTES // 1024,
+                )
+                self.transport.close()
+
+    @override
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_head:  # not a trailer: the app has the headers already
+            super().on_header(name, value)
+
+    @override
+    def on_body(self, body: bytes) -> None:
+        self._body_read = True
+        super().on_body(body)
 
     @override
     def on_headers_complete(self) -> None:
-        self._in_head, self._ended = False, True
+        self._in_head, self._head_bytes, self._ended = False, 0, True
         super().on_headers_complete()
 
     @override
@@ -54,7 +89,28 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head, self._head_bytes, self._ended = True, 0, True
 
+    @override
+    def on_response_complete(self) -> None:
+        last = not self.pipeline  # the response just before the refused head's
+        super().on_response_complete()  # which reads on, or starts a pipelined request
+        if not self._refused or self.transport.is_closing():
+            return
+        if last:
+            self._send_refusal()
+        else:
+            self.flow.pause_reading()  # nothing more of the refused head
+
     def _refuse_head(self) -> None:
+        """Read no more of the connection, and answer 431 at once or, while an earlier
+        request's response is not all sent, once it is (a pipelining client reads answers
+        in order)."""
+        self._refused = True
+        self.flow.pause_reading()
+        log.warning("a request's head passed %d KiB: answered 431", MAX_HEAD_BYTES // 1024)
+        if self.cycle is None or self.cycle.response_complete:
+            self._send_refusal()
+
+    def _send_refusal(self) -> None:
         response = problem_response(
             HeadersTooLarge(
                 f"The request line and headers are over {MAX_HEAD_BYTES // 1024} KiB together."

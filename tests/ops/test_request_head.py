@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.server import AgentsServer, ServerProcess
 
 KEY = "Bearer key-a"
@@ -75,6 +76,7 @@ def test_a_head_past_16_kib_is_refused_before_it_is_all_sent(server: ServerProce
     assert head.startswith(b"HTTP/1.1 431 "), answer[:300]
     assert b"content-type: application/problem+json" in head.lower()
     assert json.loads(body)["code"] == "headers_too_large"
+    assert "a request's head passed 16 KiB: answered 431" in server.logs()
 
 
 @pytest.mark.parametrize(("header_bytes", "status"), [(15_000, b"200"), (20_000, b"431")])
@@ -132,3 +134,59 @@ def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
         _send_in_pieces(sock, body, piece=32_768)
         answer = _answers(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+def test_a_head_refused_after_a_pipelined_request_is_answered_after_it(
+    server: ServerProcess, fake_model: FakeAnthropic
+) -> None:
+    # The 431 had been written while the turn before it ran, and the client took it for that
+    # turn's answer. Now the turn's answer comes first, then the 431.
+    body = json.dumps({"agent": "echo", "message": "first"}).encode()
+    first = (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    fake_model.set_delay(1.5)
+    with _connection(server) as sock:
+        sock.sendall(first)
+        time.sleep(0.2)  # the turn runs
+        _send_in_pieces(sock, _request(32 * 1024), piece=1024)
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 2, answer
+    assert answer.index(b"echo: first") < answer.index(b"HTTP/1.1 431 "), answer
+
+
+def _chunked(trailer: bytes) -> bytes:
+    body = json.dumps({"agent": "echo", "message": "chunked"}).encode()
+    return (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n".encode()
+        + b"Connection: close\r\n\r\n"
+        + f"{len(body):x}\r\n".encode()
+        + body
+        + b"\r\n0\r\n"
+        + trailer
+        + b"\r\n"
+    )
+
+
+def test_a_chunked_body_with_a_trailer_is_served(server: ServerProcess) -> None:
+    with _connection(server) as sock:
+        sock.sendall(_chunked(b"X-Checksum: 1234\r\n"))
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert b"echo: chunked" in answer
+
+
+def test_trailers_past_16_kib_close_the_connection(server: ServerProcess) -> None:
+    # Trailers had been added to the request's headers without bound: 200 MB of them grew a
+    # replica by as much, with or without a key.
+    request = _chunked(b"X-Pad: " + b"a" * (64 * 2**20) + b"\r\n")
+    with _connection(server) as sock:
+        sent = _send_in_pieces(sock, request, piece=65_536)
+    assert sent < 4 * 2**20, f"{sent} bytes of trailers taken"
+    assert "chunked framing or trailers passed 16 KiB" in server.logs()
+    with server.client() as client:  # the server serves on
+        assert client.get("/healthz").status_code == 200

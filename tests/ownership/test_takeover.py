@@ -272,6 +272,50 @@ def test_an_end_write_that_waited_on_its_run_row_while_the_hold_was_lost_stores_
     assert sorted(runs.values()) == ["complete", "interrupted"], runs
 
 
+def test_a_start_write_that_waited_on_a_crashed_runs_row_while_the_hold_was_lost_stores_nothing(
+    servers: Servers, database_url: str, tool_server: ToolServer
+) -> None:
+    """X dies mid-turn, its run left `running`. A's next turn's start write, which marks that
+    run `interrupted`, waits on its row (another client holds the session's runs FOR
+    UPDATE); A's hold ends meanwhile and B's turn takes the session. A stores nothing."""
+    x, a, b = servers.new("x", failpoints="after-handlers"), servers.new("a"), servers.new("b")
+    servers.start_all(x, a, b)
+    session = "s-interrupted-row-wait"
+    died = Background(x.url, run_body("triage", "Triage issue 7", session)).join(30)
+    assert isinstance(died, httpx.TransportError), died
+    with b.client() as client:
+        (crashed,) = session_runs(client, session)
+    assert _stored_status(database_url, crashed["run_id"]) == "running"  # shown `interrupted`
+    with SessionRowLock(database_url, session_id=session, table="run") as row:
+        on_a = Background(a.url, run_body("triage", "Triage issue 8", session))
+        wait_for(row.blocked, timeout=20, what="A's start write waiting on the crashed run's row")
+        on_b = _taken_over_while_waiting(
+            row, b, database_url=database_url, body=run_body("triage", "Triage issue 9", session)
+        )
+    _refused_for_the_taker(on_a, on_b)
+    with b.client() as client:
+        runs = {r["run_id"]: r["status"] for r in session_runs(client, session)}
+        messages = history(client, session)
+    users = [m["content"] for m in messages if m["role"] == "user" and m["content"]]
+    assert users == ["Triage issue 7", "Triage issue 9"], users  # nothing of A's turn
+    assert len(runs) == 2 and runs[crashed["run_id"]] == "interrupted", runs
+    assert _stored_status(database_url, crashed["run_id"]) == "interrupted"  # by B's start
+    posts = tool_server.per_call("post_slack")  # X's and B's: each once
+    assert len(posts) == 2 and set(posts.values()) == {1}, tool_server.invocations
+    assert_history_consistent(messages)
+
+
+def _stored_status(database_url: str, run_id: str) -> str:
+    async def read() -> str:
+        conn = await asyncpg.connect(database_url)
+        try:
+            return str(await conn.fetchval("SELECT status FROM run WHERE id = $1", run_id))
+        finally:
+            await conn.close()
+
+    return asyncio.run(read())
+
+
 @pytest.mark.parametrize("table", ["session", "message"])
 def test_a_delete_that_waited_on_a_row_while_the_hold_was_lost_deletes_nothing(
     servers: Servers, database_url: str, table: Literal["session", "message"]

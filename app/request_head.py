@@ -10,6 +10,8 @@ Transfer-Encoding, bare-LF line ends, folded headers: ways to smuggle a request 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from typing_extensions import override
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -29,7 +31,8 @@ MAX_HEAD_BYTES = 16 * 1024
 class BoundedHeadProtocol(HttpToolsProtocol):
     """A request whose head is still incomplete past MAX_HEAD_BYTES is answered 431
     `headers_too_large` (problem+json), once the responses to the requests before it on the
-    connection are sent, and its connection closed. A chunked body's trailers are dropped
+    connection are sent, and its connection closed; so is the parser's 400 for a request
+    after them. A chunked body's trailers are dropped
     (ASGI has no place for them: httptools's protocol adds them to the headers the app
     already has), and a connection is closed once reads past MAX_HEAD_BYTES after a head brought
     none of a body's bytes (a chunked body's framing or trailers)."""
@@ -42,11 +45,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._body_read = False  # body bytes in the data being read
         self._ended = False  # a request's headers, or the request, in the data being read
-        self._refused = False  # a head refused: the 431 waits for the responses before it
+        # A later request refused (its 431, the parser's 400): sent once the answers to
+        # the requests before it are, reading stopped meanwhile.
+        self._refusal: Callable[[], None] | None = None
 
     @override
     def data_received(self, data: bytes) -> None:
-        if self._refused:  # read before reading paused
+        if self._refusal is not None:  # read before reading paused
             return
         self._ended = self._body_read = False
         super().data_received(data)
@@ -93,22 +98,32 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         last = not self.pipeline  # the response just before the refused head's
         super().on_response_complete()  # which reads on, or starts a pipelined request
-        if not self._refused or self.transport.is_closing():
+        if self._refusal is None or self.transport.is_closing():
             return
         if last:
-            self._send_refusal()
+            self._refusal()
         else:
             self.flow.pause_reading()  # nothing more of the refused head
 
+    @override
+    def send_400_response(self, msg: str) -> None:
+        if not self._in_head:  # within the request being answered: at once, as uvicorn does
+            super().send_400_response(msg)
+            return
+        self._refuse(partial(super().send_400_response, msg))
+
     def _refuse_head(self) -> None:
-        """Read no more of the connection, and answer 431 at once or, while an earlier
-        request's response is not all sent, once it is (a pipelining client reads answers
-        in order)."""
-        self._refused = True
-        self.flow.pause_reading()
         log.warning("a request's head passed %d KiB: answered 431", MAX_HEAD_BYTES // 1024)
+        self._refuse(self._send_refusal)
+
+    def _refuse(self, send: Callable[[], None]) -> None:
+        """Read no more of the connection, and `send` the refusal of the request being read
+        at once or, while an earlier request's response is not all sent, once it is (a
+        pipelining client reads answers in order)."""
+        self._refusal = send
+        self.flow.pause_reading()
         if self.cycle is None or self.cycle.response_complete:
-            self._send_refusal()
+            send()
 
     def _send_refusal(self) -> None:
         response = problem_response(

@@ -136,11 +136,19 @@ def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
 
 
-def test_a_head_refused_after_a_pipelined_request_is_answered_after_it(
-    server: ServerProcess, fake_model: FakeAnthropic
+@pytest.mark.parametrize(
+    ("refused", "status"),
+    [
+        (_request(32 * 1024), b"431"),
+        (b"GET /v1/agents HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", b"400"),
+    ],
+    ids=["head-too-large", "unparsable"],
+)
+def test_a_request_refused_after_a_pipelined_one_is_answered_after_it(
+    server: ServerProcess, fake_model: FakeAnthropic, refused: bytes, status: bytes
 ) -> None:
-    # The 431 had been written while the turn before it ran, and the client took it for that
-    # turn's answer. Now the turn's answer comes first, then the 431.
+    # The refusal had been written while the turn before it ran, and the client took it for
+    # that turn's answer. Now the turn's answer comes first, then the refusal.
     body = json.dumps({"agent": "echo", "message": "first"}).encode()
     first = (
         b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -151,11 +159,11 @@ def test_a_head_refused_after_a_pipelined_request_is_answered_after_it(
     with _connection(server) as sock:
         sock.sendall(first)
         time.sleep(0.2)  # the turn runs
-        _send_in_pieces(sock, _request(32 * 1024), piece=1024)
+        _send_in_pieces(sock, refused, piece=1024)
         answer = _answers(sock)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
     assert answer.count(b"HTTP/1.1 ") == 2, answer
-    assert answer.index(b"echo: first") < answer.index(b"HTTP/1.1 431 "), answer
+    assert answer.index(b"echo: first") < answer.index(b"HTTP/1.1 " + status + b" "), answer
 
 
 def _chunked(trailer: bytes) -> bytes:

@@ -179,7 +179,7 @@ def serve(host: str, *, port: int) -> None:
         port=port,
         log_config=None,
         access_log=False,  # app.logs.AccessLog writes one line per request instead
-        http=BoundedHeadProtocol,
+        http=BoundedHeadProtocol.with_head_timeout(settings.request_head_timeout_s),
         ws="none",  # no route is a WebSocket
         # uvicorn waits with asyncio.wait_for, which takes a fraction of a second too.
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]

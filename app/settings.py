@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     # On SIGTERM: stop taking runs, give runs in progress this long to finish, then stop them
     # (a tool-call step in flight finishes first) and exit.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # How long `serve` waits for a request's head, from a connection's opening or its last
+    # answer, before it closes the connection (app/request_head.py).
+    request_head_timeout_s: float = Field(default=30.0, gt=0)
     # A tool result longer than this (bytes of its JSON text) is kept truncated.
     tool_result_max_bytes: int = Field(default=DEFAULT_MAX_RESULT_BYTES, ge=1024)
 

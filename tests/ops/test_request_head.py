@@ -5,6 +5,7 @@ another past a proxy is refused and its connection closed."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.support.fake_anthropic import FakeAnthropic
+from tests.support.polling import wait_for
 from tests.support.server import AgentsServer, ServerProcess
 
 KEY = "Bearer key-a"
@@ -136,34 +138,62 @@ def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
 
 
+def _turn(message: str) -> bytes:
+    body = json.dumps({"agent": "echo", "message": message}).encode()
+    return (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
+AGENTS = f"GET /v1/agents HTTP/1.1\r\nHost: x\r\nAuthorization: {KEY}\r\n\r\n".encode()
+BAD_CHUNK = (
+    b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".encode()
+)
+
+
 @pytest.mark.parametrize(
     ("refused", "status"),
     [
         (_request(32 * 1024), b"431"),
         (b"GET /v1/agents HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", b"400"),
+        (AGENTS + BAD_CHUNK, b"400"),
     ],
-    ids=["head-too-large", "unparsable"],
+    ids=["head-too-large", "unparsable", "unparsable-body-after-another"],
 )
 def test_a_request_refused_after_a_pipelined_one_is_answered_after_it(
     server: ServerProcess, fake_model: FakeAnthropic, refused: bytes, status: bytes
 ) -> None:
     # The refusal had been written while the turn before it ran, and the client took it for
-    # that turn's answer. Now the turn's answer comes first, then the refusal.
-    body = json.dumps({"agent": "echo", "message": "first"}).encode()
-    first = (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    # that turn's answer (a body's, even after the head-refusals' fix). Now the answers come
+    # in order, the refusal last, and the turn's answer is written to an open connection.
     fake_model.set_delay(1.5)
     with _connection(server) as sock:
-        sock.sendall(first)
+        sock.sendall(_turn("first"))
         time.sleep(0.2)  # the turn runs
         _send_in_pieces(sock, refused, piece=1024)
         answer = _answers(sock)
-    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
-    assert answer.count(b"HTTP/1.1 ") == 2, answer
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)
+    assert statuses == [b"200"] * refused.count(b"HTTP/1.1\r\n") + [status], answer
     assert answer.index(b"echo: first") < answer.index(b"HTTP/1.1 " + status + b" "), answer
+    assert "Exception in ASGI application" not in server.logs()
+
+
+def test_a_pipelining_client_that_goes_away_is_not_written_to(
+    server: ServerProcess, fake_model: FakeAnthropic
+) -> None:
+    # uvicorn marked only the queued request as gone, and the running turn's answer was
+    # written to the closed connection: an ERROR and a traceback per such client.
+    fake_model.set_delay(1.0)
+    with _connection(server) as sock:
+        sock.sendall(_turn("gone") + AGENTS)
+        time.sleep(0.2)  # the turn runs, the GET waits behind it
+    wait_for(lambda: "/v1/runs" in server.logs(), timeout=15, what="the turn's access line")
+    logs = server.logs()
+    assert "Exception in ASGI application" not in logs, logs
+    assert "unhandled error" not in logs, logs
 
 
 def _chunked(trailer: bytes) -> bytes:
@@ -195,6 +225,96 @@ def test_trailers_past_16_kib_close_the_connection(server: ServerProcess) -> Non
     with _connection(server) as sock:
         sent = _send_in_pieces(sock, request, piece=65_536)
     assert sent < 4 * 2**20, f"{sent} bytes of trailers taken"
-    assert "chunked framing or trailers passed 16 KiB" in server.logs()
+    assert "chunked framing or trailers passed its data by 16 KiB" in server.logs()
     with server.client() as client:  # the server serves on
         assert client.get("/healthz").status_code == 200
+
+
+def test_chunk_framing_past_the_data_by_16_kib_closes_the_connection(
+    server: ServerProcess,
+) -> None:
+    # Each read brought a byte of data with 8 KiB of chunk extension, and the count of
+    # framing began again at each: 171 MB of it was taken on one request.
+    chunk = b"1;e=" + b"a" * 8192 + b"\r\n{\r\n"
+    head = (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    )
+    with _connection(server) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)
+        sent = _send_in_pieces(sock, chunk * 2048, piece=len(chunk))
+    assert sent < 2**20, f"{sent} bytes of chunk framing taken"
+    assert "chunked framing or trailers passed its data by 16 KiB" in server.logs()
+
+
+def test_a_body_in_small_chunks_is_served(server: ServerProcess) -> None:
+    body = json.dumps({"agent": "echo", "message": "x" * 60_000}).encode()
+    chunks = b"".join(
+        f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+        for piece in (body[i : i + 64] for i in range(0, len(body), 64))
+    )
+    head = (
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n".encode()
+        + b"Connection: close\r\n\r\n"
+    )
+    with _connection(server) as sock:
+        sock.sendall(head)
+        _send_in_pieces(sock, chunks + b"0\r\n\r\n", piece=4096)
+        answer = _answers(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+@pytest.fixture
+def impatient(agents_server: AgentsServer) -> Iterator[ServerProcess]:
+    env = {"API_KEYS": "key-a:acme", "REQUEST_HEAD_TIMEOUT_S": "1"}
+    with agents_server(database_url="memory://", env=env) as served:
+        yield served
+
+
+def _closed_within(sock: socket.socket, *, seconds: float) -> bool:
+    """Whether the server closes the connection within `seconds` (sending nothing)."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_sends_no_head_in_time_is_closed(impatient: ServerProcess) -> None:
+    # Neither uvicorn nor the protocol had a head timeout: a client that sent nothing, or a
+    # line of its head every few seconds, held its connection for as long as it liked.
+    with _connection(impatient) as idle:
+        assert _closed_within(idle, seconds=5)
+    with _connection(impatient) as slow:
+        started = time.monotonic()
+        slow.sendall(b"GET /v1/agents HTTP/1.1\r\n")
+        try:
+            while time.monotonic() - started < 5:
+                slow.sendall(b"X-Slow: 1\r\n")
+                time.sleep(0.25)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert _closed_within(slow, seconds=1)
+    assert time.monotonic() - started < 4
+    assert "a request's head was not complete within 1 s: connection closed" in impatient.logs()
+
+
+def test_a_turn_longer_than_the_head_timeout_is_answered_and_the_connection_kept(
+    impatient: ServerProcess, fake_model: FakeAnthropic
+) -> None:
+    # The timeout runs while a head is awaited, not while a request is answered.
+    fake_model.set_delay(2.0)
+    with _connection(impatient) as sock:
+        sock.sendall(_turn("slow"))
+        sock.settimeout(10)
+        answer = b""
+        while b"echo: slow" not in answer:
+            answer += sock.recv(65_536)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+        sock.sendall(AGENTS)
+        assert sock.recv(65_536).startswith(b"HTTP/1.1 200 ")
+        assert _closed_within(sock, seconds=5)  # and then, idle, it is closed

@@ -113,7 +113,7 @@ class ToolRegistry:
             # The error text can carry a downstream body, which is never logged.
             log.info("tool failed", extra=extra)
             return ToolResult.error(call, message=str(exc) or "tool failed")
-        except (Exception, SystemExit, KeyboardInterrupt, asyncio.CancelledError) as exc:
+        except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError) and _cancelled():
                 raise  # the run itself is being cancelled, not a handler failing
             if isinstance(exc, TimeoutError) and deadline.expired():
@@ -123,10 +123,10 @@ class ToolRegistry:
                     message=f"tool {call.name!r} did not finish within {tool.timeout_s:g}s and was"
                     " stopped; it may or may not have taken effect",
                 )
-            # A handler bug (even one raising SystemExit or CancelledError of its own) must
-            # not end the run; the model reads it. Raised from anywhere in the handler (an
-            # HTTP tool out of memory reading its answer), it says nothing of what the call
-            # did before: the model must not take it for "nothing happened".
+            # A handler bug (even one raising SystemExit, CancelledError or a BaseException of
+            # its own) must not end the run; the model reads it. Raised from anywhere in the
+            # handler (an HTTP tool out of memory reading its answer), it says nothing of what
+            # the call did before: the model must not take it for "nothing happened".
             log.warning("tool handler raised", exc_info=True, extra=extra)
             message = str(exc)
             name = f"{type(exc).__name__}: {message}" if message else type(exc).__name__

@@ -168,12 +168,20 @@ async def test_non_serialisable_return_value(value: Any) -> None:
     assert message.endswith("; it ran to its end, so it may have taken effect")
 
 
+class _LibraryTimeout(BaseException):
+    """As some libraries derive their own (gevent.Timeout, trio.Cancelled)."""
+
+
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
         (asyncio.CancelledError(), "CancelledError"),
         (SystemExit(3), "SystemExit: 3"),
         (KeyboardInterrupt(), "KeyboardInterrupt"),
+        # Nor what only derives from BaseException (a library's own, as gevent.Timeout):
+        # it passed every handler and was a plain-text 500 with the run left `running`.
+        (GeneratorExit(), "GeneratorExit"),
+        (_LibraryTimeout("3 s"), "_LibraryTimeout: 3 s"),
     ],
 )
 async def test_a_handler_raising_what_ends_tasks_is_an_error_result(

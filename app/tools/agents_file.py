@@ -45,6 +45,9 @@ RUNNERS_HEADERS = frozenset(
 HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9._~-]+)?")
 # How deep an input_schema may nest (objects and arrays).
 MAX_SCHEMA_DEPTH = 64
+# Values in the file once its aliases are expanded: nine levels of ten aliases in 600 bytes
+# expand to 10^9, and loading them never ended.
+MAX_FILE_VALUES = 100_000
 # How long a python tool may take unless its entry sets timeout_s.
 PYTHON_TIMEOUT_S = 60.0
 
@@ -219,10 +222,42 @@ def _parse_file(text: str, *, label: str) -> AgentsFile:
     if not isinstance(raw, dict):
         found = "an empty file" if raw is None else type(raw).__name__
         raise ConfigError(f"{label}: expected a mapping with 'tools' and 'agents', got {found}")
+    _check_values(raw, label=label)
     try:
         return AgentsFile.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError("\n".join(_describe(label, err=err) for err in exc.errors())) from exc
+
+
+def _check_values(raw: dict[Any, Any], *, label: str) -> None:
+    """Every value of the file, aliases expanded, counted up to MAX_FILE_VALUES; and every
+    string sendable as UTF-8. YAML's "\\ud800" is a lone surrogate, which the file's check
+    let through and which then failed /v1/agents (a 500) and every model call of its agent."""
+    count = 0
+    pending: list[tuple[object, str]] = [(raw, "")]
+    while pending:
+        value, where = pending.pop()
+        count += 1
+        if count > MAX_FILE_VALUES:
+            raise ConfigError(
+                f"{label}: over {MAX_FILE_VALUES:,} values once its aliases are expanded"
+                " (or an alias holds itself)"
+            )
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                shown = where.encode(errors="backslashreplace").decode()
+                raise ConfigError(
+                    f"{label}: {shown or 'a key'}: holds a lone surrogate (such as \\ud800),"
+                    " which UTF-8 cannot encode"
+                ) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                inner = f"{where}.{key}" if where else str(key)
+                pending.extend(((key, f"{inner} (its name)"), (item, inner)))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -254,6 +254,50 @@ def test_invalid_yaml_is_one_line_saying_where(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (agent_yaml('model: m\nsystem: "hi \\ud800"'), "agents.a.system"),
+        (agent_yaml('model: m\ndescription: "\\udfff"'), "agents.a.description"),
+        (
+            tool_yaml('python: "x:y"\ninput_schema: {properties: {"k\\ud800": {}}}'),
+            "tools.x.input_schema.properties.k\\ud800 (its name)",
+        ),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_where(tmp_path: Path, text: str, where: str) -> None:
+    # YAML's "\ud800" escape: the file loaded, then /v1/agents answered 500 and every model
+    # call of the agent failed, as the request could not be encoded.
+    message = config_error(tmp_path, text)
+    assert message == (
+        f"{tmp_path / 'agents.yaml'}: {where}: holds a lone surrogate (such as \\ud800),"
+        " which UTF-8 cannot encode"
+    )
+
+
+def test_aliases_that_expand_past_the_limit_are_refused(tmp_path: Path) -> None:
+    # Nine levels of ten aliases, 600 bytes, are 10^9 values once expanded, and the start had
+    # never ended; these six (10^6) had loaded, to be sent with every model call.
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 6)]
+    examples = "".join(f"    - {line}\n" for line in levels)  # data, of any shape
+    schema = f"input_schema:\n  type: object\n  examples:\n{examples}"
+    text = tool_yaml(f'python: "{HERE}:documented_tool"\n{schema}')
+    message = config_error(tmp_path, text)
+    assert message == (
+        f"{tmp_path / 'agents.yaml'}: over 100,000 values once its aliases are expanded"
+        " (or an alias holds itself)"
+    )
+
+
+def test_a_few_aliases_load(tmp_path: Path) -> None:
+    text = (
+        "tools:\n  x: &tool {python: 'tests.unit.registry.support:documented_tool'}\n"
+        "  y: *tool\nagents:\n  a: {model: m, tools: [x, y]}\n"
+    )
+    assert load_registry(write(tmp_path, text)).agent("a").tools == ("x", "y")
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read the agents file"):
         load_registry(tmp_path / "nope.yaml")

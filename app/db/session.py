@@ -126,8 +126,8 @@ def _configure_sqlite(engine: Engine, *, begin: str, busy_timeout_ms: int) -> No
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")  # set-up may wait
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.execute("PRAGMA journal_mode = WAL")
-        # With WAL, NORMAL survives any process crash (kill -9); only a power loss can drop
-        # the last commits, which the contract's crash windows do not cover.
+        # With WAL, NORMAL survives any process crash (kill -9); a power loss can drop the
+        # last commits. A write that tool handlers wait for is flushed (`transact_driver`).
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
         cursor.close()
@@ -221,27 +221,31 @@ class InlineTransactor(Transactor):
                 raise
         return await asyncio.to_thread(self._run, self._waiting, body=body)
 
-    async def transact_driver(self, body: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `body` in one IMMEDIATE transaction on the held driver connection."""
+    async def transact_driver(
+        self, body: Callable[[sqlite3.Connection], T], *, flush: bool = False
+    ) -> T:
+        """Run `body` in one IMMEDIATE transaction on the held driver connection; with
+        `flush`, its commit is on the disk when this returns (the WAL synced: a power loss
+        keeps it), where other commits survive a process's death only."""
         assert self._held is not None, "open() first"
         driver = self._held.driver_connection
         assert isinstance(driver, sqlite3.Connection)
         try:
-            return _driver_transaction(driver, body=body)
+            return _driver_transaction(driver, body=body, flush=flush)
         except _Busy:
-            return await asyncio.to_thread(self._run_driver_waiting, body)
+            return await asyncio.to_thread(self._run_driver_waiting, body, flush=flush)
 
     @staticmethod
     def _run(engine: Engine, *, body: Callable[[Connection], T]) -> T:
         with engine.begin() as conn:
             return body(conn)
 
-    def _run_driver_waiting(self, body: Callable[[sqlite3.Connection], T]) -> T:
+    def _run_driver_waiting(self, body: Callable[[sqlite3.Connection], T], *, flush: bool) -> T:
         with self._waiting.connect() as conn:
             driver = conn.connection.driver_connection
             assert isinstance(driver, sqlite3.Connection)
             try:
-                return _driver_transaction(driver, body=body)
+                return _driver_transaction(driver, body=body, flush=flush)
             except _Busy as busy:  # still held after the busy timeout: the driver's error,
                 raise busy.error from None  # which callers take for an outage (a 503)
 
@@ -262,9 +266,20 @@ class _Busy(Exception):
 
 
 def _driver_transaction(
-    driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connection], T]
+    driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connection], T], flush: bool
 ) -> T:
-    """BEGIN IMMEDIATE, the body, COMMIT — or ROLLBACK if anything fails."""
+    """BEGIN IMMEDIATE, the body, COMMIT — or ROLLBACK if anything fails. With `flush`, the
+    commit syncs the WAL (synchronous FULL for this transaction)."""
+    if flush:
+        driver.execute("PRAGMA synchronous = FULL")
+    try:
+        return _transaction(driver, body=body)
+    finally:
+        if flush:
+            driver.execute("PRAGMA synchronous = NORMAL")
+
+
+def _transaction(driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connection], T]) -> T:
     try:
         driver.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError as exc:

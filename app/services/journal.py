@@ -96,8 +96,10 @@ class Journal:
     async def record_repairs(self, turn: Turn, *, repairs: Sequence[Message]) -> None:
         """Results for the calls orphaned by a dead run, all in one write."""
 
-    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
-        """Write #1: the assistant message with its tool calls (and the user message)."""
+    async def record_step(self, turn: Turn, *, assistant: Message, effects: bool = True) -> None:
+        """Write #1: the assistant message with its tool calls (and the user message).
+        `effects`: a handler not safe to retry may run once it is stored, so it is flushed
+        to the disk first."""
 
     async def check_owned(self, turn: Turn) -> None:
         """Raise SessionConflict if this runner may have lost the session (before a dispatch)."""
@@ -123,7 +125,7 @@ class StatelessJournal(Journal):
     its user message is 1."""
 
     @override
-    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+    async def record_step(self, turn: Turn, *, assistant: Message, effects: bool = True) -> None:
         self._number(turn, messages=[assistant])
 
     @override
@@ -179,11 +181,11 @@ class DurableJournal(Journal):
             await self._write(turn, batch=repairs, touch=False)
 
     @override
-    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+    async def record_step(self, turn: Turn, *, assistant: Message, effects: bool = True) -> None:
         self._stamp(turn, messages=[assistant])
         self._failpoints.reach("before-write-1")
         with self._metrics.write("write1"):
-            await self._append(turn, messages=[assistant])
+            await self._append(turn, messages=[assistant], flush=effects)
         self._failpoints.reach("after-write-1")
 
     @override
@@ -312,6 +314,7 @@ class DurableJournal(Journal):
         messages: Sequence[Message],
         end: dict[str, Any] | None = None,
         before_commit: Callable[[], None] | None = None,
+        flush: bool = False,
     ) -> None:
         """Append messages (after the user message, if due) and bring the run up to date:
         to its `end` values, else to its progress if that moved (write #2: usually not)."""
@@ -328,6 +331,7 @@ class DurableJournal(Journal):
             touch=end is not None,
             run_values=run_values,
             before_commit=before_commit,
+            flush=flush,
         )
         turn.stored_run_values = progress
         turn.user_stored = True
@@ -342,6 +346,7 @@ class DurableJournal(Journal):
         run_values: dict[str, Any] | None = None,
         interrupted: Sequence[str] = (),
         before_commit: Callable[[], None] | None = None,
+        flush: bool = False,
     ) -> None:
         """Number the batch after the stored history and write it with the run's changes."""
         assert turn.session_id is not None
@@ -365,6 +370,7 @@ class DurableJournal(Journal):
             run_values=run_values,
             interrupted=interrupted,
             before_commit=before_commit,
+            flush=flush,
         )
         try:
             await self._store.write(write)

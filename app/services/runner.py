@@ -150,6 +150,11 @@ class AgentRunner:
             )
         return results
 
+    def _has_effects(self, call: ToolCall, *, agent: AgentConfig) -> bool:
+        """Whether the call runs a handler that is not safe to retry."""
+        tool = self._registry.tool(call.name)
+        return tool is not None and not tool.safe_to_retry and call.name in agent.tools
+
     async def _reinvoke(
         self, turn: Turn, *, journal: Journal, call: ToolCall, agent: AgentConfig
     ) -> ToolResult:
@@ -304,7 +309,8 @@ class AgentRunner:
         response: ModelResponse,
     ) -> list[Message]:
         """The step's messages, stored: the assistant's, then its calls' results."""
-        await journal.record_step(turn, assistant=assistant)
+        effects = any(self._has_effects(call, agent=agent) for call in response.tool_calls)
+        await journal.record_step(turn, assistant=assistant, effects=effects)
         turn.messages.append(assistant)
         results = [
             Message.tool(r)

@@ -71,7 +71,9 @@ class SqliteJournalStore(JournalStore):
     @override
     async def write(self, write: JournalWrite) -> None:
         try:
-            statements = await self._writes.transact_driver(lambda d: self._body(d, write=write))
+            statements = await self._writes.transact_driver(
+                lambda d: self._body(d, write=write), flush=write.flush
+            )
         except sqlite3.IntegrityError as exc:
             if exc.sqlite_errorname in _SQLITE_ANOTHER_WRITER:  # it got these seqs first
                 raise SessionConflict(write.session_id) from exc

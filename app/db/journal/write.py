@@ -19,7 +19,9 @@ class JournalWrite:
     instead of advancing it; `new_run` inserts the turn's run, `run_values` updates it;
     `interrupted` marks other runs of the session `interrupted`. `touch` moves the session's
     `updated_at` (start and end of a turn only: it is indexed). `before_commit` runs after
-    every row is sent and before the commit (the `in-write-2` failpoint).
+    every row is sent and before the commit (the `in-write-2` failpoint). `flush`: handlers
+    not safe to retry run once it has committed, so the commit must survive a power loss
+    too (SQLite syncs it; a PostgreSQL commit always is, unless `synchronous_commit` is off).
     """
 
     session_id: str
@@ -34,6 +36,7 @@ class JournalWrite:
     run_values: dict[str, Any] | None = None
     interrupted: Sequence[str] = ()
     before_commit: Callable[[], None] | None = None
+    flush: bool = False
 
     @property
     def new_count(self) -> int:

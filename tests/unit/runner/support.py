@@ -165,6 +165,7 @@ class RecordingJournal(StatelessJournal):
     def __init__(self) -> None:
         self.records: list[tuple[str, Any]] = []
         self.checks: list[int] = []
+        self.effects: list[bool] = []  # each write #1's: a handler not safe to retry follows
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.records]
@@ -175,13 +176,14 @@ class RecordingJournal(StatelessJournal):
     async def check_owned(self, turn: Turn) -> None:
         self.checks.append(len(PROBE.calls))
 
-    async def record_step(self, turn: Turn, *, assistant: Message) -> None:
+    async def record_step(self, turn: Turn, *, assistant: Message, effects: bool = True) -> None:
         # A real write waits on the database: a dispatch started alongside it, not after
         # it, would run meanwhile, and the probe would see it ahead of write #1.
         for _ in range(5):
             await asyncio.sleep(0)
-        await super().record_step(turn, assistant=assistant)
+        await super().record_step(turn, assistant=assistant, effects=effects)
         self.records.append(("step", assistant))
+        self.effects.append(effects)
 
     async def record_results(self, turn: Turn, *, results: Sequence[Message]) -> None:
         self.records.append(("results", list(results)))

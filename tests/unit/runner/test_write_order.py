@@ -186,3 +186,19 @@ async def test_a_continued_turn_keeps_counting_its_iterations(registry: ToolRegi
     assert len(model.requests) == 1
     assert [m.content for m in model.requests[0].messages] == ["hi"]
     assert journal.kinds() == ["step", "results", "end"]
+
+
+async def test_write_1_is_flushed_only_before_a_handler_that_is_not_safe_to_retry(
+    registry: ToolRegistry, probe: Probe
+) -> None:
+    # A write #1 a power loss takes back would let the handler that ran after it run again
+    # once the turn is resumed; for safe_to_retry tools, and calls no handler answers (an
+    # unknown tool, one the agent does not have), that costs nothing, so no sync is paid.
+    steps = [
+        [call("toolu_a", "lookup", id="1")],
+        [call("toolu_b", "lookup", id="2"), call("toolu_c", "charge")],
+        [call("toolu_d", "nope"), call("toolu_e", "retired")],
+        [call("toolu_f", "note", text="x")],
+    ]
+    _, journal = await run(registry, Model(*steps, then="done"))
+    assert journal.effects == [False, True, False, True]

@@ -134,11 +134,14 @@ class StatelessJournal(Journal):
 
     @override
     async def record_end(self, turn: Turn, *, final: Message | None, end: RunEnd) -> None:
-        self._number(turn, messages=[final] if final is not None else [])
+        final_messages = [final] if final is not None else []
+        self._number(turn, messages=final_messages, now=turn.finished_at)
 
-    def _number(self, turn: Turn, *, messages: Sequence[Message]) -> None:
+    def _number(
+        self, turn: Turn, *, messages: Sequence[Message], now: datetime | None = None
+    ) -> None:
         self._stamp(turn, messages=messages)
-        now = utcnow()
+        now = now or utcnow()
         if turn.user_message.seq is None:
             turn.user_message.seq, turn.user_message.created_at = 1, turn.created_at
         for offset, message in enumerate(messages, start=len(turn.messages) + 1):
@@ -301,10 +304,13 @@ class DurableJournal(Journal):
         with self._metrics.write("final"):
             # No final answer (every end but `complete`): only the run's end is written, and
             # a user message no step stored stays unstored (a failed first model call, §2).
+            # Written at the run's finished_at: its final answer is not later than its end.
             if final is None:
-                await self._write(turn, batch=[], touch=True, run_values=values)
+                await self._write(
+                    turn, batch=[], touch=True, run_values=values, now=turn.finished_at
+                )
             else:
-                await self._append(turn, messages=[final], end=values)
+                await self._append(turn, messages=[final], end=values, now=turn.finished_at)
         turn.stored_status = end.status.value
 
     async def _append(
@@ -315,6 +321,7 @@ class DurableJournal(Journal):
         end: dict[str, Any] | None = None,
         before_commit: Callable[[], None] | None = None,
         flush: bool = False,
+        now: datetime | None = None,
     ) -> None:
         """Append messages (after the user message, if due) and bring the run up to date:
         to its `end` values, else to its progress if that moved (write #2: usually not)."""
@@ -332,6 +339,7 @@ class DurableJournal(Journal):
             run_values=run_values,
             before_commit=before_commit,
             flush=flush,
+            now=now,
         )
         turn.stored_run_values = progress
         turn.user_stored = True
@@ -347,10 +355,12 @@ class DurableJournal(Journal):
         interrupted: Sequence[str] = (),
         before_commit: Callable[[], None] | None = None,
         flush: bool = False,
+        now: datetime | None = None,
     ) -> None:
-        """Number the batch after the stored history and write it with the run's changes."""
+        """Number the batch after the stored history and write it with the run's changes, as
+        of `now` (the time of the write if not given)."""
         assert turn.session_id is not None
-        now = utcnow()
+        now = now or utcnow()
         for offset, message in enumerate(batch, start=1):
             message.seq = turn.stored_count + offset
             message.created_at = now

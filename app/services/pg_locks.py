@@ -42,6 +42,19 @@ HELD_AMONG_SQL = (
 )
 
 
+# Of the session locks (classid, objid) = ($1[i], $2[i]), those whose holder's connection has
+# been idle (no heartbeat) for $3 seconds or more: a stalled runner's, which the next turn
+# takes over (`PostgresOwnership._take` asks the same of one). Reads pg_locks, which copies
+# every lock of the server: asked only of sessions another runner holds.
+STALLED_AMONG_SQL = f"""
+    SELECT l.classid::bigint AS hi, l.objid::bigint AS lo
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE {SESSION_LOCK_HELD}
+      AND (l.classid::bigint, l.objid::bigint) IN (SELECT * FROM unnest($1::bigint[], $2::bigint[]))
+      AND extract(epoch FROM clock_timestamp() - a.state_change) >= $3
+"""
+
+
 def lock_key(session_id: str) -> int:
     """A signed 64-bit advisory lock key for the session (collisions only cause a false busy)."""
     return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)

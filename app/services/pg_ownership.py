@@ -48,6 +48,7 @@ from app.services.pg_locks import (
     HELD_AMONG_SQL,
     PG_FENCE_SQL,
     SESSION_LOCK_HELD,
+    STALLED_AMONG_SQL,
     Token,
     key_parts,
     lock_key,
@@ -267,12 +268,21 @@ class PostgresOwnership(Ownership):
 
     @override
     async def held_among(self, session_ids: Collection[str]) -> set[str]:
+        # Not a stalled runner's (SIGSTOP, a partition): the next turn takes the session from
+        # it, and reads had shown it `running` for as long as the stall lasted.
         held = {s for s in session_ids if self.active.holds(s)}
         others = {lock_key(s): s for s in session_ids if s not in held}
-        if others:
-            rows = await self._ask(HELD_AMONG_SQL, list(others))
-            held.update(others[row["k"]] for row in rows)
-        return held
+        if not others:
+            return held
+        by_others = {others[row["k"]] for row in await self._ask(HELD_AMONG_SQL, list(others))}
+        if by_others:
+            parts = {key_parts(lock_key(s)): s for s in by_others}
+            his, los = zip(*parts, strict=True)
+            stalled = await self._ask(
+                STALLED_AMONG_SQL, list(his), list(los), self._takeover_after_s
+            )
+            by_others -= {parts[(row["hi"], row["lo"])] for row in stalled}
+        return held | by_others
 
     async def _ask(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         """A question's rows, on the asking connection (opened on demand). One that fails is

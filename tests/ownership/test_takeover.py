@@ -113,6 +113,44 @@ def test_sigstopped_holder_is_taken_over_and_does_nothing_after_sigcont(
     assert list(runs.values()) == ["interrupted"]  # A's run
 
 
+def test_a_stalled_holders_session_reads_as_a_turn_would_find_it(
+    servers: Servers, tool_server: ToolServer
+) -> None:
+    """Once A is stalled past the takeover age, B's reads show its session `needs_resume`
+    and its run `interrupted`, as the next turn would find them (they had shown `running`
+    for as long as the stall lasted); A, resumed first, ends its turn as usual."""
+    env = {"SESSION_TAKEOVER_AFTER_S": "2"}
+    a, b = servers.new("a", env=env), servers.new("b", env=env)
+    servers.start_all(a, b)
+    assert a.process is not None
+    session = "s-stalled"
+    on_a = Background(a.url, run_body("slow", "Post the slow report", session))
+    assert tool_server.in_flight.wait(15), a.logs()
+    with b.client() as client:
+        assert ok(client.get(f"/v1/sessions/{session}"))["status"] == "running"
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            stalled_at = time.monotonic()
+            wait_for(
+                lambda: ok(client.get(f"/v1/sessions/{session}"))["status"] == "needs_resume",
+                timeout=10,
+                what="the stalled holder's session to read as needing a resume",
+            )
+            assert time.monotonic() - stalled_at >= 1.5  # not before the takeover age
+            (run,) = session_runs(client, session)
+            assert run["status"] == "interrupted", run
+            listed = ok(client.get("/v1/sessions"))["data"]
+            assert [s["status"] for s in listed if s["id"] == session] == ["needs_resume"]
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+        tool_server.release()
+        answer = on_a.join(15)
+        assert isinstance(answer, httpx.Response), answer
+        assert ok(answer)["status"] == "complete"  # nobody took it: A's turn went on
+        assert ok(client.get(f"/v1/sessions/{session}"))["status"] == "idle"
+    assert tool_server.count("slow_post") == 1
+
+
 def test_holder_paused_while_its_session_was_deleted_answers_that_it_is_gone(
     servers: Servers, fake_model: FakeAnthropic, tool_server: ToolServer
 ) -> None:

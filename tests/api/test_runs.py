@@ -102,7 +102,7 @@ async def test_durable_run_is_recorded_with_its_messages(client: httpx.AsyncClie
     # The final answer of a turn that used tools is stored too.
     assert history["data"][-1]["role"] == "assistant"
     assert history["data"][-1]["content"] == body["response"]
-    # Written with the run's end, as of it: it had been stamped ~20 µs after finished_at,
+    # Written with the run's end, as of it: it had been stamped ~20 us after finished_at,
     # and the session's updated_at too.
     assert datetime.fromisoformat(history["data"][-1]["created_at"]) == finished
     session = await get_ok(client, "/v1/sessions/s-1")

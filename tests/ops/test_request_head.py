@@ -59,6 +59,13 @@ def _answers(sock: socket.socket) -> bytes:
     return answer
 
 
+def _post_head(*framing: str) -> bytes:
+    """A keyed POST /v1/runs's head of JSON, with these header lines for its framing."""
+    lines = ["POST /v1/runs HTTP/1.1", "Host: x", "Content-Type: application/json"]
+    lines += [f"Authorization: {KEY}", *framing]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n"
+
+
 def _request(header_bytes: int) -> bytes:
     return (
         b"GET /v1/agents HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -126,10 +133,7 @@ def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
     frame = json.dumps({"agent": "echo", "message": ""}).encode()
     body = json.dumps({"agent": "echo", "message": "x" * (size - len(frame))}).encode()
     assert len(body) == size
-    head = (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nContent-Length: {size}\r\nConnection: close\r\n\r\n".encode()
-    )
+    head = _post_head(f"Content-Length: {size}", "Connection: close")
     with _connection(server) as sock:
         sock.sendall(head)
         time.sleep(0.05)
@@ -140,18 +144,11 @@ def test_a_body_is_never_counted_as_a_head(server: ServerProcess) -> None:
 
 def _turn(message: str) -> bytes:
     body = json.dumps({"agent": "echo", "message": message}).encode()
-    return (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    return _post_head(f"Content-Length: {len(body)}") + body
 
 
 AGENTS = f"GET /v1/agents HTTP/1.1\r\nHost: x\r\nAuthorization: {KEY}\r\n\r\n".encode()
-BAD_CHUNK = (
-    b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".encode()
-)
+BAD_CHUNK = _post_head("Transfer-Encoding: chunked") + b"zz\r\n"
 
 
 @pytest.mark.parametrize(
@@ -199,9 +196,7 @@ def test_a_pipelining_client_that_goes_away_is_not_written_to(
 def _chunked(trailer: bytes) -> bytes:
     body = json.dumps({"agent": "echo", "message": "chunked"}).encode()
     return (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n".encode()
-        + b"Connection: close\r\n\r\n"
+        _post_head("Transfer-Encoding: chunked", "Connection: close")
         + f"{len(body):x}\r\n".encode()
         + body
         + b"\r\n0\r\n"
@@ -236,10 +231,7 @@ def test_chunk_framing_past_the_data_by_16_kib_closes_the_connection(
     # Each read brought a byte of data with 8 KiB of chunk extension, and the count of
     # framing began again at each: 171 MB of it was taken on one request.
     chunk = b"1;e=" + b"a" * 8192 + b"\r\n{\r\n"
-    head = (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
-    )
+    head = _post_head("Transfer-Encoding: chunked")
     with _connection(server) as sock:
         sock.sendall(head)
         time.sleep(0.05)
@@ -254,11 +246,7 @@ def test_a_body_in_small_chunks_is_served(server: ServerProcess) -> None:
         f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
         for piece in (body[i : i + 64] for i in range(0, len(body), 64))
     )
-    head = (
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {KEY}\r\nTransfer-Encoding: chunked\r\n".encode()
-        + b"Connection: close\r\n\r\n"
-    )
+    head = _post_head("Transfer-Encoding: chunked", "Connection: close")
     with _connection(server) as sock:
         sock.sendall(head)
         _send_in_pieces(sock, chunks + b"0\r\n\r\n", piece=4096)

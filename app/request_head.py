@@ -147,7 +147,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     @override
     def on_response_complete(self) -> None:
-        last = not self.pipeline  # the response just before the refused head's
+        last = not self.pipeline  # nothing queued: a head, or the refused one's answer, is next
         super().on_response_complete()  # which reads on, or starts a pipelined request
         if self.transport.is_closing():
             return

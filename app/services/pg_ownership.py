@@ -274,15 +274,16 @@ class PostgresOwnership(Ownership):
         others = {lock_key(s): s for s in session_ids if s not in held}
         if not others:
             return held
-        by_others = {others[row["k"]] for row in await self._ask(HELD_AMONG_SQL, list(others))}
-        if by_others:
-            parts = {key_parts(lock_key(s)): s for s in by_others}
+        rows = await self._ask(HELD_AMONG_SQL, list(others))
+        parts = {key_parts(row["k"]): others[row["k"]] for row in rows}  # held by others
+        if parts:
             his, los = zip(*parts, strict=True)
             stalled = await self._ask(
                 STALLED_AMONG_SQL, list(his), list(los), self._takeover_after_s
             )
-            by_others -= {parts[(row["hi"], row["lo"])] for row in stalled}
-        return held | by_others
+            for row in stalled:
+                del parts[(row["hi"], row["lo"])]
+        return held | set(parts.values())
 
     async def _ask(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         """A question's rows, on the asking connection (opened on demand). One that fails is

@@ -22,7 +22,7 @@ from app.domain import (
 from app.llm.base import LLMClient, LLMError, ModelRequest, ModelResponse, not_a_message
 from app.metrics import Metrics
 from app.services.journal import Journal, RunEnd, Turn
-from app.tools.base import AgentConfig, ToolContext
+from app.tools.base import AgentConfig, Tool, ToolContext
 from app.tools.registry import ToolRegistry
 
 log = logging.getLogger(__name__)
@@ -150,16 +150,21 @@ class AgentRunner:
             )
         return results
 
+    def _handler_of(self, call: ToolCall, *, agent: AgentConfig) -> Tool | None:
+        """The tool whose handler the call runs: None for a tool unknown, or not the agent's
+        (the call is answered with an error, and runs nothing)."""
+        return self._registry.tool(call.name) if call.name in agent.tools else None
+
     def _has_effects(self, call: ToolCall, *, agent: AgentConfig) -> bool:
         """Whether the call runs a handler that is not safe to retry."""
-        tool = self._registry.tool(call.name)
-        return tool is not None and not tool.safe_to_retry and call.name in agent.tools
+        tool = self._handler_of(call, agent=agent)
+        return tool is not None and not tool.safe_to_retry
 
     async def _reinvoke(
         self, turn: Turn, *, journal: Journal, call: ToolCall, agent: AgentConfig
     ) -> ToolResult:
-        tool = self._registry.tool(call.name)
-        if tool is None or not tool.safe_to_retry or call.name not in agent.tools:
+        tool = self._handler_of(call, agent=agent)
+        if tool is None or not tool.safe_to_retry:
             return durability_error(call.name, tool_call_id=call.id)
         # As before any dispatch: a runner that lost the session (paused, then taken over)
         # runs nothing more of it, even a tool that may run twice.

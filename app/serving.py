@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -40,6 +41,22 @@ def agent_runner_command() -> list[str]:
         return [str(script)]
     found = shutil.which("agent-runner")
     return [found] if found else [sys.executable, "-c", "from app.entry import main; main()"]
+
+
+def _reap(process: subprocess.Popen[bytes], *, timeout: float) -> None:
+    """Wait for the child to end, as `Popen.wait` would but without its lock. A
+    KeyboardInterrupt (Ctrl-C, or the bench's SIGTERM) that lands in `Popen.poll` after the
+    lock is taken and before its `try` leaves the lock held for good (CPython's subprocess,
+    3.11): `poll` then answers None and `wait` times out, however dead the child is."""
+    deadline = time.monotonic() + timeout
+    try:
+        while (status := os.waitpid(process.pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(process.args, timeout)
+            time.sleep(0.01)
+    except ChildProcessError:  # reaped already, by Popen
+        return
+    process.returncode = os.waitstatus_to_exitcode(status[1])
 
 
 def _serve_argv(port: int) -> list[str]:
@@ -130,7 +147,10 @@ class ServeProcess:
         """SIGKILL: the process dies at once, as in a crash."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+            if isinstance(self.process, subprocess.Popen):
+                _reap(self.process, timeout=10)
+            else:
+                self.process.wait(timeout=10)
 
     def wait(self, timeout: float = 30) -> int:
         """Wait for the process to end by itself (a failpoint); its exit code."""

@@ -8,7 +8,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -250,9 +249,11 @@ def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
             "--database-url",
             database_url,
             "--sessions",
-            "200",
+            "60",
             "--long-steps",
             "20",
+            "--concurrency",
+            "4",
         ],
         env={**os.environ, "TMPDIR": str(tmp_path)},
         stdout=subprocess.DEVNULL,
@@ -269,8 +270,13 @@ def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
                 return bool(servers)
 
             wait_for(serving, timeout=120, what="its server")
-            if when == "http":
-                time.sleep(5)  # started, and running sessions
+            if when == "http":  # started, and running sessions (a slow start is not this case)
+                before = _bench_runs(database_url)
+                wait_for(
+                    lambda: _bench_runs(database_url) >= before + 5,
+                    timeout=120,
+                    what="its sessions through HTTP",
+                )
         bench.send_signal(signal.SIGTERM)
         _, stderr = bench.communicate(timeout=60)
     finally:
@@ -280,6 +286,17 @@ def test_a_bench_stopped_by_sigterm_leaves_nothing_behind(
     assert not list(tmp_path.glob("agent-runner-bench-*"))
     for pid in servers:
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"server {pid} runs"
+
+
+def _bench_runs(database_url: str) -> int:
+    """The runs stored in the bench's schema (its service layer's, then its server's)."""
+
+    async def count(conn: asyncpg.Connection) -> int:
+        sql = "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+        schema = await conn.fetchval(sql)
+        return int(await conn.fetchval(f'SELECT count(*) FROM "{schema}".run'))
+
+    return on_postgres(database_url, count)
 
 
 def _state(pid: int) -> str:
@@ -346,7 +363,10 @@ def test_by_default_the_bench_works_in_a_fresh_file_it_removes(tmp_path: Path) -
 def test_a_bench_run_under_nohup_ignores_the_hangup(database_url: str) -> None:
     # Stopping on SIGHUP as on Ctrl-C must not undo nohup (SIGHUP ignored when it starts).
     bench = subprocess.Popen(
-        [AGENT_RUNNER, "bench", "--no-http", "--database-url", database_url, "--sessions", "30"],
+        [
+            *(AGENT_RUNNER, "bench", "--no-http", "--database-url", database_url),
+            *("--sessions", "30", "--long-steps", "20", "--concurrency", "4"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

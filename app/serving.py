@@ -43,20 +43,24 @@ def agent_runner_command() -> list[str]:
     return [found] if found else [sys.executable, "-c", "from app.entry import main; main()"]
 
 
-def _reap(process: subprocess.Popen[bytes], *, timeout: float) -> None:
-    """Wait for the child to end, as `Popen.wait` would but without its lock. A
-    KeyboardInterrupt (Ctrl-C, or the bench's SIGTERM) that lands in `Popen.poll` after the
+def _reap(process: subprocess.Popen[bytes], *, timeout: float) -> int:
+    """Wait for the child to end, as `Popen.wait` would but without its lock; its exit code.
+    A KeyboardInterrupt (Ctrl-C, or the bench's SIGTERM) that lands in `Popen.poll` after the
     lock is taken and before its `try` leaves the lock held for good (CPython's subprocess,
     3.11): `poll` then answers None and `wait` times out, however dead the child is."""
     deadline = time.monotonic() + timeout
-    try:
-        while (status := os.waitpid(process.pid, os.WNOHANG))[0] == 0:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(process.args, timeout)
+    while process.returncode is None:
+        try:
+            pid, status = os.waitpid(process.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already, by Popen
+            break
+        if pid != 0:
+            process.returncode = os.waitstatus_to_exitcode(status)
+        elif time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+        else:
             time.sleep(0.01)
-    except ChildProcessError:  # reaped already, by Popen
-        return
-    process.returncode = os.waitstatus_to_exitcode(status[1])
+    return process.returncode if process.returncode is not None else process.wait(timeout)
 
 
 def _serve_argv(port: int) -> list[str]:
@@ -147,14 +151,14 @@ class ServeProcess:
         """SIGKILL: the process dies at once, as in a crash."""
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
-            if isinstance(self.process, subprocess.Popen):
-                _reap(self.process, timeout=10)
-            else:
-                self.process.wait(timeout=10)
+            self.wait(timeout=10)
 
     def wait(self, timeout: float = 30) -> int:
-        """Wait for the process to end by itself (a failpoint); its exit code."""
+        """Wait for the process to end (by itself, as at a failpoint, or signalled); its exit
+        code."""
         assert self.process is not None
+        if isinstance(self.process, subprocess.Popen):
+            return _reap(self.process, timeout=timeout)
         return self.process.wait(timeout=timeout)
 
     def stop(self) -> None:
@@ -162,7 +166,7 @@ class ServeProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=15)
+                self.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.kill()
 

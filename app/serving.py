@@ -52,15 +52,15 @@ def _reap(process: subprocess.Popen[bytes], *, timeout: float) -> int:
     while process.returncode is None:
         try:
             pid, status = os.waitpid(process.pid, os.WNOHANG)
-        except ChildProcessError:  # reaped already, by Popen
-            break
+        except ChildProcessError:  # reaped already, by Popen: it has the exit code
+            return process.wait(timeout)
         if pid != 0:
             process.returncode = os.waitstatus_to_exitcode(status)
         elif time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(process.args, timeout)
         else:
             time.sleep(0.01)
-    return process.returncode if process.returncode is not None else process.wait(timeout)
+    return process.returncode
 
 
 def _serve_argv(port: int) -> list[str]:

@@ -228,8 +228,11 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+BENCH_SCHEMAS = "FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+
+
 def _bench_schemas(database_url: str) -> int:
-    sql = "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
+    sql = f"SELECT count(*) {BENCH_SCHEMAS}"
     return int(on_postgres(database_url, lambda conn: conn.fetchval(sql)))
 
 
@@ -292,8 +295,7 @@ def _bench_runs(database_url: str) -> int:
     """The runs stored in the bench's schema (its service layer's, then its server's)."""
 
     async def count(conn: asyncpg.Connection) -> int:
-        sql = "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'agent_runner_bench_%'"
-        schema = await conn.fetchval(sql)
+        schema = await conn.fetchval(f"SELECT nspname {BENCH_SCHEMAS}")
         return int(await conn.fetchval(f'SELECT count(*) FROM "{schema}".run'))
 
     return on_postgres(database_url, count)

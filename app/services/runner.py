@@ -118,6 +118,17 @@ class AgentRunner:
         while self._steps:
             await asyncio.wait(set(self._steps))
 
+    async def cut_off(self) -> None:
+        """Cancel the steps still in flight (a second signal stopped the wait for them) and
+        let them end: their calls' results are lost, as at a crash. Left running while the
+        tools' clients close, a call would fail of that, and on SQLite (no fence) its step
+        could store that failure as the call's result."""
+        steps = set(self._steps)
+        for step in steps:
+            step.cancel()
+        if steps:
+            await asyncio.wait(steps)
+
     async def repair(
         self, turn: Turn, *, journal: Journal, history: list[Message], agent: AgentConfig
     ) -> list[Message]:

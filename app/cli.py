@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sqlite3
 import sys
 import threading
@@ -111,7 +112,8 @@ class DrainingServer(uvicorn.Server):
     uvicorn then stops listening, waits up to `timeout_graceful_shutdown` for requests in
     flight (runs finishing), and cancels what is left: a cancelled run finishes the tool-call
     step it is in (AgentRunner._step; the lifespan waits for it) and is resumable exactly as
-    after a crash, because every step it finished is already committed.
+    after a crash, because every step it finished is already committed. A second signal,
+    in the grace or after it, cancels the requests and the steps in flight and exits.
     """
 
     def __init__(self, config: uvicorn.Config, *, lifecycle: Lifecycle) -> None:
@@ -138,6 +140,25 @@ class DrainingServer(uvicorn.Server):
                 if hangup:
                     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
+    def _cut_requests(self) -> None:
+        """Cancel the requests in flight, as the grace's end does (a run answers 503), before
+        the app's shutdown closes what they use. From a signal handler, as Lifecycle.drain."""
+
+        def cancel() -> None:
+            for task in self.server_state.tasks:
+                task.cancel()
+
+        with contextlib.suppress(RuntimeError):  # no loop runs: no request either
+            asyncio.get_running_loop().call_soon_threadsafe(cancel)
+
+    @override
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # Forced in the grace, uvicorn leaves the app's shutdown out, and the app's resources
+        # would close only as asyncio.run cancels it. Forced, that shutdown waits for nothing.
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            await self.lifespan.shutdown()
+
     # Positional: uvicorn calls it so.
     @override
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -146,6 +167,10 @@ class DrainingServer(uvicorn.Server):
         else:
             log.warning("second signal: stopping now, tool calls in flight and all")
             self._lifecycle.force()
+            # uvicorn stops waiting for the requests in flight so, but on a second SIGINT
+            # only: a second SIGTERM in the grace would wait it out.
+            self.force_exit = True
+            self._cut_requests()
         self._lifecycle.drain()
         super().handle_exit(sig, frame)
         # uvicorn re-raises caught signals after shutting down; a drained exit is a clean one (0).

@@ -198,31 +198,40 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
     assert not result["is_error"]
 
 
+# The second signal comes while the grace still runs (uvicorn is waiting for the requests in
+# flight), or after it (the turn was cancelled and waits for its step).
+@pytest.mark.parametrize("when", ["in-the-grace", "after-the-grace"])
 def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
     database_url: str,
     tmp_path: Path,
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
+    when: str,
 ) -> None:
     # The operator's way out of a step that takes long (the first SIGTERM waits for it): its
     # call in flight is then cut off, as at a crash, and gets §2's error on resume.
     agents = write_agents_file(tmp_path, tool_server.url)
     turn = {**SLOW_TURN, "session_id": "forced"}
-    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="1")
+    grace_s = "60" if when == "in-the-grace" else "1"
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s=grace_s)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             cut_off = _start_slow_run(pool, first, tool_server, turn, {"Idempotency-Key": "turn-1"})
             _sigterm(first)
             assert first.process is not None
-            wait_for(
-                lambda: "finishing its step first" in first.logs(),
-                timeout=20,
-                what="the grace's end",
-            )
+            if when == "in-the-grace":
+                wait_for(lambda: _draining(first), timeout=20, what="the server draining")
+            else:
+                wait_for(
+                    lambda: "finishing its step first" in first.logs(),
+                    timeout=20,
+                    what="the grace's end",
+                )
             again = _sigterm(first)
             first.process.wait(timeout=10)
             assert time.monotonic() - again < 5
             assert "second signal: stopping now" in first.logs()
+            assert '"level": "ERROR"' not in first.logs()
             with contextlib.suppress(httpx.TransportError):
                 cut_off.result(timeout=10)  # answered 503, or its connection closed
     finally:
@@ -259,6 +268,39 @@ def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(
             # The whole grace, fraction included (it was cut to whole seconds).
             assert 1.5 <= took < 5.5, f"the process took {took:.1f}s with SHUTDOWN_GRACE_S=1.5"
             _assert_cut_off(cut_off.result(timeout=10))
+    finally:
+        first.kill()
+        fake_model.set_delay(0)
+
+    session, messages = _resumed(database_url, tmp_path, agents, fake_model, turn)
+    assert session["status"] == "idle"
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+
+
+def test_a_second_sigterm_in_the_grace_cuts_off_a_run_in_a_model_call_at_once(
+    database_url: str,
+    tmp_path: Path,
+    fake_model: FakeAnthropic,
+    tool_server: ToolServer,
+) -> None:
+    # Not waited for, the model call must not fail as its client closes: that would end the
+    # run `failed`, where a cut-off run is resumable.
+    agents = write_agents_file(tmp_path, tool_server.url)
+    turn = {"agent": "echo", "message": "say it slowly", "session_id": "forced-in-model"}
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="60")
+    fake_model.set_delay(30)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            cut_off = pool.submit(_post, first, turn, {"Idempotency-Key": "turn-1"})
+            wait_for(lambda: len(fake_model.requests) >= 1, timeout=20, what="the model call")
+            _sigterm(first)
+            wait_for(lambda: _draining(first), timeout=20, what="the server draining")
+            again = _sigterm(first)
+            assert first.process is not None
+            assert first.process.wait(timeout=10) == 0, first.logs()
+            assert time.monotonic() - again < 5
+            _assert_cut_off(cut_off.result(timeout=10))
+            assert '"level": "ERROR"' not in first.logs()
     finally:
         first.kill()
         fake_model.set_delay(0)

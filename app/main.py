@@ -114,7 +114,7 @@ async def open_services(
         runner = AgentRunner(llm=model, registry=registry, metrics=metrics)
         run_service = RunService(db, registry, runner, failpoints, ownership, metrics)
         # Then: what a second signal left in flight ends before the rest closes under it.
-        resources.push_async_callback(runner.cut_off)
+        resources.push_async_callback(runner.cancel_steps)
         # First: the turns cut off use all the rest. A second signal stops the wait.
         resources.push_async_callback(lifecycle.unless_forced, run_service.settle)
         yield Services(

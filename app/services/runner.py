@@ -118,7 +118,7 @@ class AgentRunner:
         while self._steps:
             await asyncio.wait(set(self._steps))
 
-    async def cut_off(self) -> None:
+    async def cancel_steps(self) -> None:
         """Cancel the steps still in flight (a second signal stopped the wait for them) and
         let them end: their calls' results are lost, as at a crash. Left running while the
         tools' clients close, a call would fail of that, and on SQLite (no fence) its step

@@ -245,60 +245,38 @@ def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
     assert "tool-durability-error" in str(result["content"])
 
 
-def test_sigterm_cuts_off_a_run_in_a_model_call_at_the_end_of_the_grace(
+@pytest.mark.parametrize("stop", ["grace-end", "second-signal-in-the-grace"])
+def test_a_run_in_a_model_call_is_cut_off_at_the_grace_end_or_a_second_signal(
     database_url: str,
     tmp_path: Path,
     fake_model: FakeAnthropic,
     tool_server: ToolServer,
+    stop: str,
 ) -> None:
-    # A model call has no side effect: the grace's end stops the run there at once, and
-    # the resumed turn goes on from what was stored.
+    # A model call has no side effect: the run stops there at once, and the resumed turn
+    # goes on from what was stored. Not waited for, the call must not fail as its client
+    # closes: that would end the run `failed` (a second signal in the grace made it a 500).
     agents = write_agents_file(tmp_path, tool_server.url)
     turn = {"agent": "echo", "message": "say it slowly", "session_id": "cut-in-model"}
-    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="1.5")
+    grace_s = "1.5" if stop == "grace-end" else "60"
+    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s=grace_s)
     fake_model.set_delay(30)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             cut_off = pool.submit(_post, first, turn, {"Idempotency-Key": "turn-1"})
             wait_for(lambda: len(fake_model.requests) >= 1, timeout=20, what="the model call")
             sent = _sigterm(first)
-            assert first.process is not None
-            first.process.wait(timeout=10)
-            took = time.monotonic() - sent
-            # The whole grace, fraction included (it was cut to whole seconds).
-            assert 1.5 <= took < 5.5, f"the process took {took:.1f}s with SHUTDOWN_GRACE_S=1.5"
-            _assert_cut_off(cut_off.result(timeout=10))
-    finally:
-        first.kill()
-        fake_model.set_delay(0)
-
-    session, messages = _resumed(database_url, tmp_path, agents, fake_model, turn)
-    assert session["status"] == "idle"
-    assert [m["role"] for m in messages] == ["user", "assistant"]
-
-
-def test_a_second_sigterm_in_the_grace_cuts_off_a_run_in_a_model_call_at_once(
-    database_url: str,
-    tmp_path: Path,
-    fake_model: FakeAnthropic,
-    tool_server: ToolServer,
-) -> None:
-    # Not waited for, the model call must not fail as its client closes: that would end the
-    # run `failed`, where a cut-off run is resumable.
-    agents = write_agents_file(tmp_path, tool_server.url)
-    turn = {"agent": "echo", "message": "say it slowly", "session_id": "forced-in-model"}
-    first = _first_server(database_url, tmp_path, agents, fake_model, grace_s="60")
-    fake_model.set_delay(30)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            cut_off = pool.submit(_post, first, turn, {"Idempotency-Key": "turn-1"})
-            wait_for(lambda: len(fake_model.requests) >= 1, timeout=20, what="the model call")
-            _sigterm(first)
-            wait_for(lambda: _draining(first), timeout=20, what="the server draining")
-            again = _sigterm(first)
+            if stop != "grace-end":
+                wait_for(lambda: _draining(first), timeout=20, what="the server draining")
+                sent = _sigterm(first)
             assert first.process is not None
             assert first.process.wait(timeout=10) == 0, first.logs()
-            assert time.monotonic() - again < 5
+            took = time.monotonic() - sent
+            if stop == "grace-end":
+                # The whole grace, fraction included (it was cut to whole seconds).
+                assert 1.5 <= took < 5.5, f"the process took {took:.1f}s with SHUTDOWN_GRACE_S=1.5"
+            else:
+                assert took < 5, f"the process took {took:.1f}s after the second signal"
             _assert_cut_off(cut_off.result(timeout=10))
             assert '"level": "ERROR"' not in first.logs()
     finally:

@@ -156,6 +156,7 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
         # Forced in the grace, uvicorn leaves the app's shutdown out, and the app's resources
         # would close only as asyncio.run cancels it. Forced, that shutdown waits for nothing.
+        # (`lifespan` is a LifespanOn: the config keeps uvicorn's lifespan="auto".)
         if self.force_exit and not self.lifespan.shutdown_event.is_set():
             await self.lifespan.shutdown()
 
@@ -167,8 +168,10 @@ class DrainingServer(uvicorn.Server):
         else:
             log.warning("second signal: stopping now, tool calls in flight and all")
             self._lifecycle.force()
-            # uvicorn stops waiting for the requests in flight so, but on a second SIGINT
-            # only: a second SIGTERM in the grace would wait it out.
+            # uvicorn's handle_exit (0.55) forces the exit so on a second SIGINT only: a
+            # second SIGTERM in the grace would wait it out. The cancelled requests are not
+            # waited for: what they still do (a PostgreSQL unlock) races the closing, and
+            # asyncio.run cancels what is left, as the process's end would.
             self.force_exit = True
             self._cut_requests()
         self._lifecycle.drain()

@@ -308,7 +308,7 @@ class AgentRunner:
             await asyncio.shield(step)
         except asyncio.CancelledError:
             if not step.done():
-                log.info("turn cut off: finishing its step first", extra={"run_id": turn.run_id})
+                log.info("turn cut off: waiting for its step", extra={"run_id": turn.run_id})
                 await asyncio.wait({step})
             if not step.cancelled():
                 step.exception()  # seen: the cancellation is what the turn ends with

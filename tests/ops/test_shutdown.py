@@ -170,7 +170,7 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
             _sigterm(first)
             assert first.process is not None
             wait_for(
-                lambda: "finishing its step first" in first.logs(),
+                lambda: "waiting for its step" in first.logs(),
                 timeout=20,
                 what="the grace's end",
             )
@@ -180,7 +180,7 @@ def test_sigterm_lets_a_step_in_flight_at_the_end_of_the_grace_finish_and_then_s
             tool_server.release()
             _assert_cut_off(cut_off.result(timeout=10))
             assert first.process.wait(timeout=10) == 0, first.logs()
-        assert "turn cut off: finishing its step first" in first.logs()
+        assert "turn cut off: waiting for its step" in first.logs()
         # Its session given back before the lock connection closed, not lost with it.
         assert "ownership connection lost" not in first.logs()
         # A planned stop: no ERROR line (uvicorn's "Cancel 1 running task(s)" is a WARNING).
@@ -223,7 +223,7 @@ def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
                 wait_for(lambda: _draining(first), timeout=20, what="the server draining")
             else:
                 wait_for(
-                    lambda: "finishing its step first" in first.logs(),
+                    lambda: "waiting for its step" in first.logs(),
                     timeout=20,
                     what="the grace's end",
                 )

@@ -28,14 +28,13 @@ from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.db.session import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
 from app.errors import AppError, ConfigError, SqliteFileBusy
+from app.lifecycle import Lifecycle, cancel_all, from_signal_handler
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings, load_env_file
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-
-    from app.lifecycle import Lifecycle
 
 log = logging.getLogger("app.cli")
 
@@ -140,17 +139,6 @@ class DrainingServer(uvicorn.Server):
                 if hangup:
                     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    def _cut_requests(self) -> None:
-        """Cancel the requests in flight, as the grace's end does (a run answers 503), before
-        the app's shutdown closes what they use. From a signal handler, as Lifecycle.drain."""
-
-        def cancel() -> None:
-            for task in self.server_state.tasks:
-                task.cancel()
-
-        with contextlib.suppress(RuntimeError):  # no loop runs: no request either
-            asyncio.get_running_loop().call_soon_threadsafe(cancel)
-
     @override
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
@@ -169,11 +157,13 @@ class DrainingServer(uvicorn.Server):
             log.warning("second signal: stopping now, tool calls in flight and all")
             self._lifecycle.force()
             # uvicorn's handle_exit (0.55) forces the exit so on a second SIGINT only: a
-            # second SIGTERM in the grace would wait it out. The cancelled requests are not
-            # waited for: what they still do (a PostgreSQL unlock) races the closing, and
-            # asyncio.run cancels what is left, as the process's end would.
+            # second SIGTERM in the grace would wait it out.
             self.force_exit = True
-            self._cut_requests()
+            # The requests in flight are cancelled, as at the grace's end (a run answers
+            # 503), before the app's shutdown closes what they use. They are not waited for:
+            # what they still do (a PostgreSQL unlock) races the closing, and asyncio.run
+            # cancels what is left, as the process's end would.
+            from_signal_handler(lambda: cancel_all(self.server_state.tasks))
         self._lifecycle.drain()
         super().handle_exit(sig, frame)
         # uvicorn re-raises caught signals after shutting down; a drained exit is a clean one (0).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,24 +23,12 @@ class Lifecycle:
         """Shutdown begins. Called from a signal handler, on the event loop's thread: the
         waits are cancelled by the loop itself, as a signal handler must not touch tasks."""
         self.draining = True
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop runs: nothing waits
-            return
-        loop.call_soon_threadsafe(self._cut_uploads)
-
-    def _cut_uploads(self) -> None:
-        for task in self._uploads:
-            task.cancel()
+        from_signal_handler(lambda: cancel_all(self._uploads))
 
     def force(self) -> None:
         """A second signal: shutdown no longer waits for the steps in flight (their calls'
         results are then lost, as at a crash). From a signal handler, as `drain`."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        loop.call_soon_threadsafe(self._forced.set)
+        from_signal_handler(self._forced.set)
 
     async def unless_forced(self, wait: Callable[[], Awaitable[None]]) -> None:
         """Wait for `wait()`, or until a second signal."""
@@ -74,3 +62,19 @@ class Lifecycle:
             yield
         finally:
             self._uploads.discard(task)
+
+
+def from_signal_handler(callback: Callable[[], object]) -> None:
+    """Have the event loop run `callback` soon, as a signal handler must not touch tasks or
+    events itself; nothing when no loop runs (then nothing waits)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    loop.call_soon_threadsafe(callback)
+
+
+def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel each of `tasks`."""
+    for task in tasks:
+        task.cancel()

@@ -228,7 +228,7 @@ def test_a_second_sigterm_stops_at_once_though_a_step_is_in_flight(
                     what="the grace's end",
                 )
             again = _sigterm(first)
-            first.process.wait(timeout=10)
+            assert first.process.wait(timeout=10) == 0, first.logs()
             assert time.monotonic() - again < 5
             assert "second signal: stopping now" in first.logs()
             assert '"level": "ERROR"' not in first.logs()

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from sqlalchemy.engine import Dialect
 from typing_extensions import override
 
 from app.db import models
+from app.db.base import Base
 from app.db.journal.sql import (
     LAST_MESSAGE_SQL,
     MESSAGE_COLUMNS,
@@ -59,11 +61,7 @@ class SqliteJournalStore(JournalStore):
         self._run_updates: dict[tuple[str, ...], str] = {}
         dialect = writes.engine.dialect
         self._bind = {
-            model.__tablename__: {
-                column.name: processor
-                for column in model.__table__.columns
-                if (processor := column.type.bind_processor(dialect)) is not None
-            }
+            model.__tablename__: _bind_processors(model, dialect=dialect)
             for model in (models.Session, models.Run, models.Message)
         }
         self._timestamp = self._bind["session"]["updated_at"]  # how a UTCDateTime is stored
@@ -153,6 +151,18 @@ class SqliteJournalStore(JournalStore):
         """Parameters named `<prefix><column>`, as the column's bind processor stores them."""
         bind = self._bind[table]
         return {prefix + c: bind[c](v) if c in bind else v for c, v in values.items()}
+
+
+def _bind_processors(model: type[Base], *, dialect: Dialect) -> dict[str, Callable[[Any], Any]]:
+    """Each column's bind processor on `dialect`, where it has one. Asked of the dialect's own
+    type: a TypeDecorator's generic impl has none for dates, and a datetime left to the stdlib
+    driver's default adapter (deprecated since Python 3.12) is stored in another format."""
+    processors: dict[str, Callable[[Any], Any]] = {}
+    for column in model.__table__.columns:
+        processor = column.type.dialect_impl(dialect).bind_processor(dialect)
+        if processor is not None:
+            processors[column.name] = processor
+    return processors
 
 
 def _stored_time(value: str) -> datetime:

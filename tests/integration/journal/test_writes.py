@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 
 from app.db.journal import StoredTail, journal_store
+from app.db.repositories import SessionRepository
 from app.db.session import Database
 from app.domain import Message, Role, RunStatus, ToolCall, Usage
 from app.errors import SessionConflict
@@ -188,6 +189,34 @@ async def test_results_take_the_next_seqs_and_the_end_stores_final_and_status(
     assert run.stop_reason == "max_tokens"
     assert run.finished_at == turn.created_at
     assert write_counts(metrics) == {"start": 1, "write1": 1, "write2": 1, "final": 1}
+
+
+async def test_a_session_ended_on_a_whole_second_is_not_listed_again_after_itself(
+    db: Database, journal: DurableJournal
+) -> None:
+    # The journal binds each value as the ORM would. Handed a raw datetime, SQLite's driver
+    # stored "16:00:00" where the ORM binds "16:00:00.000000": as text the row then sorted
+    # before the page's own cursor (and Python 3.12 deprecates that driver default).
+    turn = await start(journal, "buy it")
+    turn.finished_at = datetime(2026, 12, 3, 16, 0, tzinfo=UTC)
+    final = Message.assistant("bought")
+    await journal.record_end(turn, final=final, end=RunEnd(RunStatus.COMPLETE, "bought"))
+
+    async with db.reads() as session:
+        sessions = SessionRepository(session)
+        listed = await sessions.list(
+            tenant_id="tenant-1", agent=None, user_id=None, after=None, limit=10
+        )
+        assert [(s.id, s.updated_at) for s in listed] == [(SESSION, turn.finished_at)]
+        after = (listed[0].updated_at, listed[0].id)
+        assert (
+            await sessions.list(
+                tenant_id="tenant-1", agent=None, user_id=None, after=after, limit=10
+            )
+            == []
+        )
+    stored = await read(db, turn.run_id)
+    assert stored.history[-1].created_at == stored.runs[turn.run_id].finished_at
 
 
 async def test_a_second_turn_continues_the_seqs(

@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PORT ?= 8000
 TEST_WORKERS ?= auto
+TESTS ?=
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 .PHONY: install run test lint format clean
@@ -22,7 +23,7 @@ run: install
 
 # One test process per CPU: most of the suite waits on the servers it starts.
 test: install
-	$(BIN)/pytest --numprocesses $(TEST_WORKERS) --dist worksteal
+	$(BIN)/pytest --numprocesses $(TEST_WORKERS) --dist worksteal $(TESTS)
 
 lint: install
 	$(BIN)/ruff check app tests migrations
@@ -35,4 +36,4 @@ format: install
 	$(BIN)/ruff check --fix app tests migrations
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-newer .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -102,7 +102,7 @@ async def open_services(
     async with AsyncExitStack() as resources:
         db = await Database.connect(settings.database_url, pool_size=settings.database_pool_size)
         resources.push_async_callback(db.dispose)
-        metrics.pool.watch(lambda: db.engine.pool)
+        metrics.pool.watch(lambda: db.read_engine.pool)
         resources.push_async_callback(registry.aclose)
         model = llm or ModelRouter.from_settings(
             max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s

@@ -83,10 +83,10 @@ class TransactionCounter:
         self.statements += statements
 
     def _listeners(self) -> list[tuple[Any, str, Any]]:
-        # Reads go through the async engine (SQLAlchemy); durable writes through the journal
+        # Reads go through SQLAlchemy (db.read_engine); durable writes through the journal
         # store, which sends its statements on the driver and reports its commits; on SQLite
         # on an engine of its own (db.writes), whose pool checkouts count too.
-        reads = self.db.engine.sync_engine
+        reads = self.db.read_engine
         return [
             (reads, "commit", self._on_commit),
             (reads, "rollback", self._on_rollback),

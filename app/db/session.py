@@ -418,7 +418,7 @@ class Database:
                 engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
             )
         else:
-            # The async engine serves only set-up (the schema check) and the bench's queries.
+            # The async engine serves the schema's checks (at start, /readyz) and the bench.
             _configure_sqlite(
                 engine.sync_engine, begin="BEGIN", busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS
             )

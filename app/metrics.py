@@ -110,6 +110,6 @@ class _PoolCollector(Collector):
         yield connections
         yield GaugeMetricFamily(
             "agent_runner_database_pool_size",
-            "The most pooled connections this replica opens (DATABASE_POOL_SIZE).",
+            "The most pooled connections this replica keeps (DATABASE_POOL_SIZE).",
             value=pool.size(),
         )

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from app.db.migrate import upgrade
 from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
-from app.db.session import check_sqlite_writable
+from app.db.sqlite_engines import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
 from app.errors import AppError, ConfigError, SqliteFileBusy
 from app.lifecycle import Lifecycle, cancel_all, from_signal_handler

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy import Connection, Engine, PoolProxiedConnection, create_engine, event
+from sqlalchemy import Connection, Engine, PoolProxiedConnection, event
 from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import DisconnectionError, OperationalError
 from sqlalchemy.ext.asyncio import (
@@ -20,15 +20,19 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import Session
 from typing_extensions import override
 
 from app.db import models  # noqa: F401  # registers the tables on Base.metadata
 from app.db.base import Base
 from app.db.outages import PG_CONNECTION_ERRORS, pg_read_only
-from app.db.urls import MEMORY_URL, async_url, pg_connector, sqlite_file
-
-SQLITE_BUSY_TIMEOUT_MS = 10_000
+from app.db.sqlite_engines import (
+    SQLITE_BUSY_TIMEOUT_MS,
+    configure_sqlite,
+    reads_engine,
+    sessions_of,
+    writer_engine,
+)
+from app.db.urls import MEMORY_URL, async_url, pg_connector
 
 
 def _configure_postgres(engine: Engine) -> None:
@@ -56,24 +60,6 @@ def _configure_postgres(engine: Engine) -> None:
         # then unknown, which costs a turn the results of the tools it ran.
         if dbapi_connection.driver_connection.is_closed():
             raise DisconnectionError("the server closed this pooled connection")
-
-
-def check_sqlite_writable(database_url: str) -> None:
-    """Raise sqlite3.Error unless this process can write the (migrated) SQLite file as serving
-    does: a write rolled back ("attempt to write a readonly database" for a read-only file)."""
-    database = sqlite_file(database_url)
-    if database is None:
-        return
-    conn = sqlite3.connect(database, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            conn.execute("UPDATE alembic_version SET version_num = version_num")
-        finally:
-            conn.execute("ROLLBACK")
-    finally:
-        conn.close()
 
 
 def _pool_options(database_url: str, *, pool_size: int) -> dict[str, Any]:
@@ -116,29 +102,6 @@ def _scratch_dir() -> Path:
     session_id is refused before any work)."""
     shm = Path("/dev/shm")
     return Path(tempfile.mkdtemp(prefix="agent-runner-", dir=shm if shm.is_dir() else None))
-
-
-def _configure_sqlite(
-    engine: Engine, *, begin: str, busy_timeout_ms: int, reads_only: bool = False
-) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Take over transaction control from the driver so the BEGIN below is ours.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        if not reads_only:  # a connection that only reads takes no lock to set up
-            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")  # set-up may wait
-            cursor.execute("PRAGMA foreign_keys = ON")
-            cursor.execute("PRAGMA journal_mode = WAL")  # kept by the file once set
-            # With WAL, NORMAL survives any process crash (kill -9); a power loss can drop the
-            # last commits. A write that tool handlers wait for is flushed (`transact_driver`).
-            cursor.execute("PRAGMA synchronous = NORMAL")
-        cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql(begin)
 
 
 T = TypeVar("T")
@@ -202,8 +165,8 @@ class InlineTransactor(Transactor):
     """
 
     def __init__(self, database_url: str) -> None:
-        self._engine = _sync_sqlite_engine(database_url, busy_timeout_ms=0)
-        self._waiting = _sync_sqlite_engine(database_url, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
+        self._engine = writer_engine(database_url, busy_timeout_ms=0)
+        self._waiting = writer_engine(database_url, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
         self._held: PoolProxiedConnection | None = None
 
     @property
@@ -300,72 +263,6 @@ def _transaction(driver: sqlite3.Connection, *, body: Callable[[sqlite3.Connecti
     return result
 
 
-def _sync_sqlite_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
-    """An engine that writes: IMMEDIATE takes the write lock up front, so a body fails at
-    BEGIN or not at all."""
-    engine = _stdlib_engine(database_url)
-    _configure_sqlite(engine, begin="BEGIN IMMEDIATE", busy_timeout_ms=busy_timeout_ms)
-    return engine
-
-
-def _stdlib_engine(database_url: str, **options: Any) -> Engine:
-    # The standard library's driver, whichever the URL names (sqlite+aiosqlite:// is accepted).
-    url = make_url(database_url).set(drivername="sqlite")
-    connect_args = {"check_same_thread": False, **options.pop("connect_args", {})}
-    return create_engine(url, connect_args=connect_args, **options)
-
-
-async def _sqlite_reads(database_url: str, *, pool_size: int) -> Engine:
-    """SQLite: the engine reads run on, on the event loop's thread (see `Database.reads`).
-
-    A connection that only reads never waits for a lock: in WAL mode a reader waits only
-    while another connection runs recovery, closes the file's last connection or holds it in
-    EXCLUSIVE locking mode, none of which can happen while this process has the file open
-    (its writer connection is). Should one ever be refused, its read fails at once (busy
-    timeout 0: a 503) rather than stall the loop. No pool limit: a read's statements never
-    yield to the loop, so transactions overlap only where a body awaits something else, or
-    for the instant its `async with` takes to end, and a wait for a connection on the loop's
-    thread could never end. The first connection is opened now, off the loop."""
-    engine = _stdlib_engine(
-        database_url,
-        pool_size=pool_size,
-        max_overflow=-1,
-        connect_args={"factory": _ReadConnection},
-    )
-    _configure_sqlite(engine, begin="BEGIN", busy_timeout_ms=0, reads_only=True)
-    await asyncio.to_thread(lambda: engine.connect().close())
-    return engine
-
-
-class _ReadCursor(sqlite3.Cursor):
-    """AsyncSession ends a Core result (one of a statement naming no ORM entity, such as
-    `text()`) by awaiting its cursor's `_async_soft_close`, which SQLAlchemy's async driver
-    adapters have; on the stdlib driver the result closes its cursor itself."""
-
-    async def _async_soft_close(self) -> None:
-        return None
-
-
-class _ReadConnection(sqlite3.Connection):
-    """A read connection, whose cursors are _ReadCursors."""
-
-    @override
-    def cursor(self, factory: Any = _ReadCursor) -> Any:
-        return super().cursor(factory)
-
-
-def _sessions_of(engine: Engine) -> type[Session]:
-    """A Session class bound to `engine`: an AsyncSession made with it runs every statement
-    right where it is awaited, since no driver call of `engine` ever awaits (AsyncSession
-    passes the Session it makes its own binds, None here)."""
-
-    class BoundSession(Session):
-        def __init__(self, *, bind: object = None, binds: object = None, **kw: Any) -> None:
-            super().__init__(bind=engine, **kw)
-
-    return BoundSession
-
-
 @dataclass
 class Database:
     """An engine, its sessionmaker for reads, its way of writing and what kind of store it is.
@@ -419,16 +316,16 @@ class Database:
             )
         else:
             # The async engine serves the schema's checks (at start, /readyz) and the bench.
-            _configure_sqlite(
+            configure_sqlite(
                 engine.sync_engine, begin="BEGIN", busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS
             )
             writer = inline = InlineTransactor(database_url)
             await inline.open()
             # Reads only: every write goes through `writes`, so a read never takes the write
             # lock and never makes the loop-thread writer wait (see InlineTransactor).
-            read_engine = await _sqlite_reads(database_url, pool_size=pool_size)
+            read_engine = await reads_engine(database_url, pool_size=pool_size)
             reads = async_sessionmaker(
-                sync_session_class=_sessions_of(read_engine), expire_on_commit=False
+                sync_session_class=sessions_of(read_engine), expire_on_commit=False
             )
         db = cls(engine, reads, durable=not memory, writes=writer)
         db._scratch = scratch

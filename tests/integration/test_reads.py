@@ -52,6 +52,7 @@ async def test_more_sqlite_reads_open_at_once_than_the_pool_keeps_each_get_a_con
 
     got = await asyncio.wait_for(asyncio.gather(*(read() for _ in range(readers))), 10)
     assert got == [1] * readers
+    # A QueuePool's count; Pool, the type the engine declares, has none.
     assert db.read_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
 
 

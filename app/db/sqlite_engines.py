@@ -68,11 +68,13 @@ def writer_engine(database_url: str, *, busy_timeout_ms: int) -> Engine:
     return engine
 
 
-def _stdlib_engine(database_url: str, **options: Any) -> Engine:
+def _stdlib_engine(
+    database_url: str, *, connection: type[sqlite3.Connection] = sqlite3.Connection, **pool: Any
+) -> Engine:
     # The standard library's driver, whichever the URL names (sqlite+aiosqlite:// is accepted).
     url = make_url(database_url).set(drivername="sqlite")
-    connect_args = {"check_same_thread": False, **options.pop("connect_args", {})}
-    return create_engine(url, connect_args=connect_args, **options)
+    connect_args = {"check_same_thread": False, "factory": connection}
+    return create_engine(url, connect_args=connect_args, **pool)
 
 
 async def reads_engine(database_url: str, *, pool_size: int) -> Engine:
@@ -87,10 +89,7 @@ async def reads_engine(database_url: str, *, pool_size: int) -> Engine:
     for the instant its `async with` takes to end, and a wait for a connection on the loop's
     thread could never end. The first connection is opened now, off the loop."""
     engine = _stdlib_engine(
-        database_url,
-        pool_size=pool_size,
-        max_overflow=-1,
-        connect_args={"factory": _ReadConnection},
+        database_url, connection=_ReadConnection, pool_size=pool_size, max_overflow=-1
     )
     configure_sqlite(engine, begin="BEGIN", busy_timeout_ms=0, reads_only=True)
     await asyncio.to_thread(lambda: engine.connect().close())

@@ -5,17 +5,80 @@ The hot path, the runner's per-step writes, is not here but in app/db/journal/.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, delete, func, select, text
+from sqlalchemy import ColumnElement, Select, Text, cast, delete, func, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import QueryableAttribute
 
 from app.db import models
 from app.domain import Message, Role, RunStatus, ToolCall
 from app.errors import SessionConflict
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Paged(Generic[T]):
+    """The rows of one page of a list, and whether more rows follow them."""
+
+    rows: Sequence[T]
+    more: bool
+
+
+def page_length(sizes: Sequence[int], *, limit: int, budget: int) -> Paged[int]:
+    """How many of the rows of these sizes (read `limit + 1`, in the list's order) a page
+    holds, as `rows` (their sizes), and whether more follow: at most `limit` rows, and none
+    that would take their sum past `budget`, but for the first."""
+    total = 0
+    for index, size in enumerate(sizes[:limit]):
+        total += size
+        if index and total > budget:
+            return Paged(sizes[:index], more=True)
+    return Paged(sizes[:limit], more=len(sizes) > limit)
+
+
+Column = ColumnElement[Any] | QueryableAttribute[Any]
+
+
+def chars(*columns: Column) -> ColumnElement[int]:
+    """The characters the values of these text or JSON columns hold (a NULL none)."""
+    lengths: list[ColumnElement[int]] = [
+        func.coalesce(func.length(cast(c, Text)), 0) for c in columns
+    ]
+    total = lengths[0]
+    for length in lengths[1:]:
+        total = total + length
+    return total
+
+
+async def read_page(
+    session: AsyncSession,
+    *,
+    query: Select[T],
+    limit: int,
+    budget: int,
+    size: ColumnElement[int],
+    keys: Sequence[Column],
+    through: Callable[[Sequence[Any]], ColumnElement[bool]],
+) -> Paged[T]:
+    """One page of the ORM rows `query` selects in its order: at most `limit` rows, whose
+    text (`size`, in characters) passes `budget` only if the page is one row.
+
+    First the rows' `keys` and `size` are read, `limit + 1` of them, which tells how many
+    rows the page holds; then the rows themselves, up to and including the last one it
+    holds (`through` its keys). No row past the page is read whole."""
+    sized = (await session.execute(query.with_only_columns(*keys, size).limit(limit + 1))).all()
+    page = page_length([row[-1] for row in sized], limit=limit, budget=budget)
+    if not page.rows:
+        return Paged([], more=False)
+    last = tuple(sized[len(page.rows) - 1])
+    rows = (await session.scalars(query.where(through(last)).limit(len(page.rows)))).all()
+    return Paged(rows, more=page.more)
 
 
 def message_to_row(message: Message, *, now: datetime) -> dict[str, Any]:
@@ -67,7 +130,8 @@ class SessionRepository:
         user_id: str | None,
         after: tuple[datetime, str] | None,
         limit: int,
-    ) -> Sequence[models.Session]:
+        budget: int,
+    ) -> Paged[models.Session]:
         """Sessions, most recently updated first, keyset-paginated on (updated_at, id)."""
         query = select(models.Session).where(
             models.Session.tenant_id.is_(None)
@@ -84,8 +148,19 @@ class SessionRepository:
                 (models.Session.updated_at < updated_at)
                 | ((models.Session.updated_at == updated_at) & (models.Session.id < session_id))
             )
-        query = query.order_by(models.Session.updated_at.desc(), models.Session.id.desc())
-        return (await self._s.execute(query.limit(limit))).scalars().all()
+        session = models.Session
+        return await read_page(
+            self._s,
+            query=query.order_by(session.updated_at.desc(), session.id.desc()),
+            limit=limit,
+            budget=budget,
+            size=chars(session.metadata_),
+            keys=(session.updated_at, session.id),
+            through=lambda last: (
+                (session.updated_at > last[0])
+                | ((session.updated_at == last[0]) & (session.id >= last[1]))
+            ),
+        )
 
 
 class MessageRepository:
@@ -152,13 +227,22 @@ class MessageRepository:
         return steps
 
     async def page(
-        self, session_key: int, *, after_seq: int | None, limit: int
-    ) -> Sequence[models.Message]:
+        self, session_key: int, *, after_seq: int | None, limit: int, budget: int
+    ) -> Paged[models.Message]:
         """One page of the history, in order."""
-        query = select(models.Message).where(models.Message.session_key == session_key)
+        message = models.Message
+        query = select(message).where(message.session_key == session_key)
         if after_seq is not None:
-            query = query.where(models.Message.seq > after_seq)
-        return (await self._s.scalars(query.order_by(models.Message.seq).limit(limit))).all()
+            query = query.where(message.seq > after_seq)
+        return await read_page(
+            self._s,
+            query=query.order_by(message.seq),
+            limit=limit,
+            budget=budget,
+            size=chars(message.content, message.tool_calls),
+            keys=(message.seq,),
+            through=lambda last: message.seq <= last[0],
+        )
 
     async def for_run(self, session_key: int, *, run_id: str) -> Sequence[models.Message]:
         """The messages a run stored, in order (a scan of its session's history: run_id has no
@@ -214,8 +298,8 @@ class RunRepository:
         return list(await self._s.scalars(self._running(session_id)))
 
     async def list_for_session(
-        self, session_id: str, *, after: tuple[datetime, str] | None, limit: int
-    ) -> Sequence[models.Run]:
+        self, session_id: str, *, after: tuple[datetime, str] | None, limit: int, budget: int
+    ) -> Paged[models.Run]:
         """The session's runs, newest first, keyset-paginated on (created_at, id)."""
         query = select(models.Run).where(models.Run.session_id == session_id)
         if after is not None:
@@ -224,8 +308,18 @@ class RunRepository:
                 (models.Run.created_at < created_at)
                 | ((models.Run.created_at == created_at) & (models.Run.id < run_id))
             )
-        query = query.order_by(models.Run.created_at.desc(), models.Run.id.desc()).limit(limit)
-        return (await self._s.scalars(query)).all()
+        run = models.Run
+        return await read_page(
+            self._s,
+            query=query.order_by(run.created_at.desc(), run.id.desc()),
+            limit=limit,
+            budget=budget,
+            size=chars(run.metadata_, run.response, run.error_message),
+            keys=(run.created_at, run.id),
+            through=lambda last: (
+                (run.created_at > last[0]) | ((run.created_at == last[0]) & (run.id >= last[1]))
+            ),
+        )
 
 
 def delete_session(

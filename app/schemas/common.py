@@ -18,6 +18,10 @@ R = TypeVar("R")
 
 MAX_PAGE = 200
 DEFAULT_PAGE = 50
+# A page ends early, `next_after` set, where its next row would take the text of its rows
+# past this many characters; its first row it always holds. Pages of 200 rows of a
+# megabyte each took a server hundreds of megabytes per request to answer.
+PAGE_MAX_CHARS = 4 * 1024 * 1024
 
 
 class ProblemError(BaseModel):
@@ -68,13 +72,20 @@ class Page(BaseModel, Generic[T]):
     """A page of a list; pass `next_after` as `after` to get the next one."""
 
     data: list[T]
-    next_after: str | None
+    next_after: str | None = Field(
+        description=(
+            "Null on the last page. A page may hold fewer rows than `limit` and not be the"
+            " last: a history, sessions or runs page ends before a row that would take the"
+            f" text of its rows past {PAGE_MAX_CHARS:,} characters (its first row it always"
+            " holds)."
+        )
+    )
 
 
-def next_after(rows: Sequence[R], *, limit: int, cursor: Callable[[R], str]) -> str | None:
-    """The `next_after` of a page of `limit` rows, read as `limit + 1` to see whether more
-    follow: the cursor of its last row, or None when it is the last page."""
-    return cursor(rows[limit - 1]) if len(rows) > limit else None
+def next_after(rows: Sequence[R], *, more: bool, cursor: Callable[[R], str]) -> str | None:
+    """The `next_after` of a page of these rows, after which `more` follow: the cursor of
+    its last row, or None when it is the last page."""
+    return cursor(rows[-1]) if more and rows else None
 
 
 def encode_cursor(moment: datetime, *, key: str, listing: str) -> str:

@@ -15,6 +15,7 @@ from app.db.base import utcnow
 from app.db.outages import read_again_if_disconnected
 from app.db.repositories import (
     MessageRepository,
+    Paged,
     RunRepository,
     SessionRepository,
     delete_session,
@@ -24,7 +25,14 @@ from app.db.session import Database
 from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
-from app.schemas.common import Page, decode_cursor, decode_seq, encode_cursor, next_after
+from app.schemas.common import (
+    PAGE_MAX_CHARS,
+    Page,
+    decode_cursor,
+    decode_seq,
+    encode_cursor,
+    next_after,
+)
 from app.schemas.runs import MessageRead, RunSummary
 from app.schemas.sessions import SessionRead
 from app.services.access import active_run, check_session_access, read_runs_owned, run_summary
@@ -70,24 +78,26 @@ class SessionService:
     ) -> Page[SessionRead]:
         """Sessions, most recently updated first."""
         async with self.db.reads.begin() as session:
-            rows = await SessionRepository(session).list(
+            listed = await SessionRepository(session).list(
                 tenant_id=tenant_id,
                 agent=agent,
                 user_id=user_id,
                 after=decode_cursor(after, listing=SESSIONS_LIST) if after else None,
-                limit=limit + 1,
+                limit=limit,
+                budget=PAGE_MAX_CHARS,
             )
-            waiting = await self._waiting(session, rows=rows[:limit])
+            rows = listed.rows
+            waiting = await self._waiting(session, rows=rows)
         # One ownership lookup for the page, outside the transaction.
-        held = await self.ownership.held_among([r.id for r in rows[:limit]])
-        waiting = await self._still_waiting(rows[:limit], waiting=waiting, held=held)
+        held = await self.ownership.held_among([r.id for r in rows])
+        waiting = await self._still_waiting(rows, waiting=waiting, held=held)
         page = [
             _session_read(r, status=_status(held=r.id in held, orphans=r.id in waiting))
-            for r in rows[:limit]
+            for r in rows
         ]
         cursor = next_after(
             rows,
-            limit=limit,
+            more=listed.more,
             cursor=lambda r: encode_cursor(r.updated_at, key=r.id, listing=SESSIONS_LIST),
         )
         return Page(data=page, next_after=cursor)
@@ -108,12 +118,13 @@ class SessionService:
             row = await self._visible(
                 session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
             )
-            rows = await MessageRepository(session).page(
-                row.key, after_seq=after_seq, limit=limit + 1
+            page = await MessageRepository(session).page(
+                row.key, after_seq=after_seq, limit=limit, budget=PAGE_MAX_CHARS
             )
-        data = [MessageRead.of(row_to_message(r)) for r in rows[:limit]]
+        data = [MessageRead.of(row_to_message(r)) for r in page.rows]
         return Page(
-            data=data, next_after=next_after(rows, limit=limit, cursor=lambda r: str(r.seq))
+            data=data,
+            next_after=next_after(page.rows, more=page.more, cursor=lambda r: str(r.seq)),
         )
 
     @read_again_if_disconnected
@@ -129,7 +140,7 @@ class SessionService:
         """The session's runs, newest first."""
         runs_list = f"runs of {session_id}"  # a cursor of one session's runs, not another's
 
-        async def read() -> Sequence[models.Run]:
+        async def read() -> Paged[models.Run]:
             async with self.db.reads.begin() as session:
                 await self._visible(
                     session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
@@ -137,16 +148,17 @@ class SessionService:
                 return await RunRepository(session).list_for_session(
                     session_id,
                     after=decode_cursor(after, listing=runs_list) if after else None,
-                    limit=limit + 1,
+                    limit=limit,
+                    budget=PAGE_MAX_CHARS,
                 )
 
-        rows, ownerless = await read_runs_owned(
-            self.ownership, read=read, runs_of=lambda rows: rows[:limit]
+        page, ownerless = await read_runs_owned(
+            self.ownership, read=read, runs_of=lambda page: page.rows
         )
-        data = [run_summary(r, ownerless=r.id in ownerless) for r in rows[:limit]]
+        data = [run_summary(r, ownerless=r.id in ownerless) for r in page.rows]
         cursor = next_after(
-            rows,
-            limit=limit,
+            page.rows,
+            more=page.more,
             cursor=lambda r: encode_cursor(r.created_at, key=r.id, listing=runs_list),
         )
         return Page(data=data, next_after=cursor)

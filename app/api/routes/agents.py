@@ -28,7 +28,7 @@ async def list_agents(
     data = [
         AgentRead.of(registry.agents[n], tools=registry.tools_for(registry.agents[n])) for n in page
     ]
-    return Page(data=data, next_after=next_after(names, limit=limit, cursor=str))
+    return Page(data=data, next_after=next_after(page, more=len(names) > limit, cursor=str))
 
 
 @router.get("/{name}", responses=responses(Unauthorized, AgentNotFound, ValidationFailed))

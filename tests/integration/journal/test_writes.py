@@ -205,16 +205,14 @@ async def test_a_session_ended_on_a_whole_second_is_not_listed_again_after_itsel
     async with db.reads() as session:
         sessions = SessionRepository(session)
         listed = await sessions.list(
-            tenant_id="tenant-1", agent=None, user_id=None, after=None, limit=10
+            tenant_id="tenant-1", agent=None, user_id=None, after=None, limit=10, budget=1000
         )
-        assert [(s.id, s.updated_at) for s in listed] == [(SESSION, turn.finished_at)]
-        after = (listed[0].updated_at, listed[0].id)
-        assert (
-            await sessions.list(
-                tenant_id="tenant-1", agent=None, user_id=None, after=after, limit=10
-            )
-            == []
+        assert [(s.id, s.updated_at) for s in listed.rows] == [(SESSION, turn.finished_at)]
+        after = (listed.rows[0].updated_at, listed.rows[0].id)
+        later = await sessions.list(
+            tenant_id="tenant-1", agent=None, user_id=None, after=after, limit=10, budget=1000
         )
+        assert later.rows == []
     stored = await read(db, turn.run_id)
     assert stored.history[-1].created_at == stored.runs[turn.run_id].finished_at
 

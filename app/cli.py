@@ -1,18 +1,15 @@
-"""The `agent-runner` command: serve, migrate, run, tools, bench."""
+"""The `agent-runner` command: serve, migrate, run, tools, bench (serving: app/cli_serve.py;
+`run`: app/cli_run.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import os
 import signal
-import socket
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -21,14 +18,14 @@ import click
 import uvicorn
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
-from typing_extensions import override
 
+from app.cli_serve import DrainingServer
 from app.db.migrate import upgrade
 from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.db.sqlite_engines import check_sqlite_writable
 from app.db.urls import MEMORY_URL, check_database_url, shown_url
 from app.errors import AppError, ConfigError, SqliteFileBusy
-from app.lifecycle import Lifecycle, cancel_all, from_signal_handler
+from app.lifecycle import Lifecycle
 from app.logs import configure_logging
 from app.services.ownership import serving_lock_file, take_serving_lock
 from app.settings import Settings, load_env_file
@@ -36,7 +33,6 @@ from app.settings import Settings, load_env_file
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-log = logging.getLogger("app.cli")
 
 # What stops `run` when not ignored already (SIGHUP: the terminal went away).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -102,72 +98,6 @@ def unusable_database(database_url: str, *, exc: BaseException) -> click.ClickEx
     else:
         reason = type(cause).__name__
     return click.ClickException(f"cannot use the database {shown_url(database_url)}: {reason}")
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT also tells the app to refuse new runs, and
-    SIGHUP (the terminal went away) stops it as they do, unless it is ignored (nohup).
-
-    uvicorn then stops listening, waits up to `timeout_graceful_shutdown` for requests in
-    flight (runs finishing), and cancels what is left: a cancelled run finishes the tool-call
-    step it is in (AgentRunner._step; the lifespan waits for it) and is resumable exactly as
-    after a crash, because every step it finished is already committed. A second signal,
-    in the grace or after it, cancels the requests and the steps in flight and exits.
-    """
-
-    def __init__(self, config: uvicorn.Config, *, lifecycle: Lifecycle) -> None:
-        super().__init__(config)
-        self._lifecycle = lifecycle
-
-    @contextlib.contextmanager
-    @override
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn puts the handlers it found back once it has shut down: ignored, so that a
-        # signal arriving then (a supervisor's second SIGTERM) does not end the clean exit
-        # as "killed by SIGTERM".
-        main_thread = threading.current_thread() is threading.main_thread()
-        hangup = main_thread and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
-        if main_thread:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-        with super().capture_signals():
-            if hangup:  # uvicorn itself handles only SIGINT and SIGTERM
-                signal.signal(signal.SIGHUP, self.handle_exit)
-            try:
-                yield
-            finally:
-                if hangup:
-                    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-    @override
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
-        # Forced in the grace, uvicorn leaves the app's shutdown out, and the app's resources
-        # would close only as asyncio.run cancels it. Forced, that shutdown waits for nothing.
-        # (`lifespan` is a LifespanOn: the config keeps uvicorn's lifespan="auto".)
-        if self.force_exit and not self.lifespan.shutdown_event.is_set():
-            await self.lifespan.shutdown()
-
-    # Positional: uvicorn calls it so.
-    @override
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self._lifecycle.draining:
-            log.info("shutting down: no new runs; waiting for runs in progress")
-        else:
-            log.warning("second signal: stopping now, tool calls in flight and all")
-            self._lifecycle.force()
-            # uvicorn's handle_exit (0.55) forces the exit so on a second SIGINT only: a
-            # second SIGTERM in the grace would wait it out.
-            self.force_exit = True
-            # The requests in flight are cancelled, as at the grace's end (a run answers
-            # 503), before the app's shutdown closes what they use. They are not waited for:
-            # what they still do (a PostgreSQL unlock) races the closing, and asyncio.run
-            # cancels what is left, as the process's end would.
-            from_signal_handler(lambda: cancel_all(self.server_state.tasks))
-        self._lifecycle.drain()
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises caught signals after shutting down; a drained exit is a clean one (0).
-        self._captured_signals.clear()
 
 
 @click.group()

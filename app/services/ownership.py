@@ -93,13 +93,17 @@ class ActiveRuns:
 
 class Ownership(Protocol):
     active: ActiveRuns
-    # Statements sent on ownership's own connections, outside the pool, each a transaction of
-    # its own (PostgreSQL: taking, releasing and taking over locks, and the heartbeats and
-    # readiness pings); the bench counts those a session's turn sends.
-    statements: int
     # Whether other processes see this one's holds: a session held here refuses their
     # requests (409), where a request of this process waits for a hold that runs no turn.
     shared: bool
+
+    @property
+    def statements(self) -> int:
+        """Statements sent on ownership's own connections, outside the pool, each a
+        transaction of its own (PostgreSQL: taking, releasing and taking over locks, the
+        heartbeats and readiness pings, and the questions who holds sessions); the bench
+        counts those a session's turn sends."""
+        ...
 
     def hold(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """Own the session for the block, or raise SessionBusy (active_run_id may be None).
@@ -186,10 +190,14 @@ class LocalOwnership(Ownership):
 
     def __init__(self, lock_file: Path | None = None) -> None:
         self.active = ActiveRuns()
-        self.statements = 0  # none: the lock is this process's memory
         self.shared = False
         self._lock_file = lock_file
         self._lock_fd: int | None = None
+
+    @property
+    @override
+    def statements(self) -> int:
+        return 0  # none: the lock is this process's memory
 
     @asynccontextmanager
     @override

@@ -35,7 +35,7 @@ SESSION_LOCK_HELD = (
 # The session lock keys, of those given, that a runner holds: its lock refuses the shared one
 # asked for here, which is granted otherwise and lasts to the statement's end. (One lookup in
 # the lock table each; asking pg_locks would copy every lock of the server.) Asked on a
-# connection that holds no session's lock (`PostgresOwnership._ask`); the lock connection
+# connection that holds no session's lock (services/pg_questions.py); the lock connection
 # would be granted its own sessions' keys.
 HELD_AMONG_SQL = (
     "SELECT k FROM unnest($1::bigint[]) AS k WHERE NOT pg_try_advisory_xact_lock_shared(k)"
@@ -44,7 +44,7 @@ HELD_AMONG_SQL = (
 
 # Of the session locks (classid, objid) = ($1[i], $2[i]), those whose holder's connection has
 # been idle (no heartbeat) for $3 seconds or more: a stalled runner's, which the next turn
-# takes over (`PostgresOwnership._take` asks the same of one). Reads pg_locks, which copies
+# takes over (`HOLDER_SQL` asks the same of one). Reads pg_locks, which copies
 # every lock of the server: asked only of sessions another runner holds.
 STALLED_AMONG_SQL = f"""
     SELECT l.classid::bigint AS hi, l.objid::bigint AS lo
@@ -52,6 +52,16 @@ STALLED_AMONG_SQL = f"""
     WHERE {SESSION_LOCK_HELD}
       AND (l.classid::bigint, l.objid::bigint) IN (SELECT * FROM unnest($1::bigint[], $2::bigint[]))
       AND extract(epoch FROM clock_timestamp() - a.state_change) >= $3
+"""
+
+
+# The pid holding the session lock (classid, objid) = ($1, $2), and how long its connection has
+# been idle (`PostgresOwnership._holder`): no row if no runner holds it.
+HOLDER_SQL = f"""
+    SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE {SESSION_LOCK_HELD}
+      AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
 """
 
 

@@ -20,11 +20,10 @@ cost a write ~0.5 ms of server time per 1,000 sessions held). Before each tool d
 at once when the last one is late, so a runner resumed after a takeover dispatches nothing.
 
 Whether another runner holds a session (a session's status, a 409's search for the holder)
-is asked the same way, on a second connection that holds no lock (so that such questions
-do not wait in line with every take and release): a try for a shared lock on the session's
-key, for one statement, fails only while a runner holds its lock. A turn taking the session
-at that very instant finds it refused by nobody (`_holder` sees no runner's lock) and tries
-again.
+is asked the same way, on a second connection that holds no lock (services/pg_questions.py):
+a try for a shared lock on the session's key, for one statement, fails only while a runner
+holds its lock. A turn taking the session at that very instant finds it refused by nobody
+(`_holder` sees no runner's lock) and tries again.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import asyncpg
 from typing_extensions import override
@@ -45,57 +44,16 @@ from app.db.urls import pg_connector
 from app.errors import SessionBusy, SessionConflict
 from app.services.ownership import ActiveRuns, Ownership
 from app.services.pg_locks import (
-    HELD_AMONG_SQL,
+    HOLDER_SQL,
     PG_FENCE_SQL,
-    SESSION_LOCK_HELD,
-    STALLED_AMONG_SQL,
     Token,
     key_parts,
     lock_key,
     new_token,
 )
+from app.services.pg_questions import HoldQuestions, answered_within, once_more_if_ended
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-# How long a lock statement whose deadline has passed is still given, from when the event loop
-# runs again, before the lock connection is dropped (see `_answered_within`): room for the
-# round trip a prepared statement still needs on a loaded server, short against the takeover
-# (at most half the statement's deadline, itself half the takeover). No dispatch is let
-# through by it: `check` goes by when the last heartbeat was sent.
-LAST_LOOK_S = 0.5
-
-
-async def _answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
-    """The statement's result, or TimeoutError if it has none `timeout_s` after it was asked for.
-
-    Timed here, not by asyncpg, so that a deadline that passed while the event loop was held
-    up (a tool that blocks it) gets one last look once the loop runs again: the deadline's
-    timer can fire before the loop reads the answer that came meanwhile, or before it sends
-    the statement's second round trip (asyncpg prepares a statement on its first use).
-    """
-    task = asyncio.ensure_future(statement)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if not done:
-            done, _ = await asyncio.wait({task}, timeout=min(LAST_LOOK_S, timeout_s / 2))
-    finally:
-        task.cancel()  # no-op once done; otherwise timed out, or the caller was cancelled
-    if not done:
-        raise TimeoutError
-    return task.result()
-
-
-async def _once_more_if_ended(attempt: Callable[[], Awaitable[T]]) -> T:
-    """`attempt()`, made once more if its connection had ended (ConnectionError): the server
-    may have ended it unseen. Not after a timeout: a database that does not answer is down."""
-    try:
-        return await attempt()
-    except ConnectionError as lost:
-        if isinstance(lost.__cause__, TimeoutError):
-            raise
-        return await attempt()
 
 
 class PostgresOwnership(Ownership):
@@ -116,18 +74,17 @@ class PostgresOwnership(Ownership):
         # Sessions still held by a turn whose lock went with an earlier connection (`retake`).
         self._lost: set[str] = set()
         self._io = asyncio.Lock()  # one query at a time on the lock connection
-        # Whether others hold sessions (a session's status, a page of them, a 409's wait for
-        # the holder's run) is asked on a connection of its own: in the lock connection's
-        # line, those questions held up every take and release of the replica under load.
-        self._asker: asyncpg.Connection | None = None
-        self._ask_io = asyncio.Lock()
+        # Whether others hold sessions is asked on a connection of its own.
+        self._questions = HoldQuestions(
+            self._open, timeout_s=self._statement_timeout_s, takeover_after_s=takeover_after_s
+        )
         # One retake at a time: a step's parallel calls find a lost hold all at once, and a
         # second pg_try_advisory_lock on the same connection would take the lock twice
         # (PostgreSQL counts them), so that the turn's one unlock would leave it held.
         self._retaking = asyncio.Lock()
         self._last_beat = 0.0
         self._beater: asyncio.Task[None] | None = None
-        self.statements = 0
+        self._sent = 0  # statements on the lock connection
         # Releases still under way though their requests were cancelled (`_release`): `stop`
         # waits for them, and after it no connection is opened again.
         self._releasing: set[asyncio.Task[None]] = set()
@@ -152,17 +109,18 @@ class PostgresOwnership(Ownership):
                 await self._beater
         # Each in its line (a statement in flight ends first), and closed within a
         # statement's deadline: a server that no longer answers is not waited for.
-        async with self._ask_io:
-            await self._close(self._asker)
+        await self._questions.stop()
         async with self._io:
-            await self._close(self._conn)
+            if self._conn is not None:
+                try:
+                    await self._conn.close(timeout=self._statement_timeout_s)
+                except Exception:
+                    self._conn.terminate()
 
-    async def _close(self, conn: asyncpg.Connection | None) -> None:
-        if conn is not None:
-            try:
-                await conn.close(timeout=self._statement_timeout_s)
-            except Exception:
-                conn.terminate()
+    @property
+    @override
+    def statements(self) -> int:
+        return self._sent + self._questions.statements
 
     @asynccontextmanager
     @override
@@ -268,54 +226,11 @@ class PostgresOwnership(Ownership):
 
     @override
     async def held_among(self, session_ids: Collection[str]) -> set[str]:
-        # Not a stalled runner's (SIGSTOP, a partition): the next turn takes the session from
-        # it, and reads had shown it `running` for as long as the stall lasted.
         held = {s for s in session_ids if self.active.holds(s)}
         others = {lock_key(s): s for s in session_ids if s not in held}
         if not others:
             return held
-        rows = await self._ask(HELD_AMONG_SQL, list(others))
-        parts = {key_parts(row["k"]): others[row["k"]] for row in rows}  # held by others
-        if parts:
-            his, los = zip(*parts, strict=True)
-            stalled = await self._ask(
-                STALLED_AMONG_SQL, list(his), list(los), self._takeover_after_s
-            )
-            for row in stalled:
-                del parts[(row["hi"], row["lo"])]
-        return held | set(parts.values())
-
-    async def _ask(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        """A question's rows, on the asking connection (opened on demand). One that fails is
-        closed and, unless it did not answer in time, asked once more on a new one (the
-        server may have ended it unseen), as on the lock connection (`_answer`); else
-        ConnectionError (503). It holds no lock past its statement: losing it costs nothing."""
-        async with self._ask_io:
-            return await _once_more_if_ended(lambda: self._ask_once(sql, args=args))
-
-    async def _ask_once(self, sql: str, *, args: tuple[Any, ...]) -> list[asyncpg.Record]:
-        """`_ask`'s one try (call with `_ask_io` held)."""
-        if self._stopped:
-            raise ConnectionError("the ownership is stopped")
-        if self._asker is None or self._asker.is_closed():
-            try:
-                self._asker = await _answered_within(
-                    self._open(), timeout_s=self._statement_timeout_s
-                )
-            except (*PG_CONNECTION_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
-                raise ConnectionError("the ownership connection is down") from exc
-        asker: asyncpg.Connection = self._asker
-        self.statements += 1
-        try:
-            rows: list[asyncpg.Record] = await _answered_within(
-                asker.fetch(sql, *args), timeout_s=self._statement_timeout_s
-            )
-        except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
-            if self._asker is not None:
-                self._asker.terminate()
-                self._asker = None
-            raise ConnectionError("the ownership connection is down") from exc
-        return rows
+        return held | await self._questions.held_by_others(others)
 
     async def _connect(self) -> None:
         """Open the lock connection and take its token (call with `_io` held, or before any
@@ -324,11 +239,11 @@ class PostgresOwnership(Ownership):
         after a failover) would hold `_io`, and with it every request of the process, until
         the kernel gives up on the socket."""
         # The handshake too: the URL's connect_timeout (5 s unless set) may be longer.
-        conn = await _answered_within(self._open(), timeout_s=self._statement_timeout_s)
+        conn = await answered_within(self._open(), timeout_s=self._statement_timeout_s)
         try:
             while True:  # a token someone holds is one in 2**64: draw again
                 token = new_token()
-                row = await _answered_within(
+                row = await answered_within(
                     conn.fetchrow(
                         "SELECT pg_backend_pid() AS pid, pg_try_advisory_lock($1, $2) AS taken",
                         *token,
@@ -366,7 +281,7 @@ class PostgresOwnership(Ownership):
                 # As of sending: an answer that waited (this process stopped, its loop held
                 # up) says the connection was alive then, not when it is read.
                 sent = time.monotonic()
-                await _answered_within(
+                await answered_within(
                     conn.fetchval("SELECT 1"), timeout_s=self._statement_timeout_s
                 )
             self._last_beat = sent
@@ -427,17 +342,17 @@ class PostgresOwnership(Ownership):
         ended, a proxy's idle timeout; its goodbye raced the statement), which says nothing of
         the database. Every statement here may run again: a lock taken on the failed
         connection went with it."""
-        return await _once_more_if_ended(lambda: self._send(sql, args=args, result=result))
+        return await once_more_if_ended(lambda: self._send(sql, args=args, result=result))
 
     async def _send(
         self, sql: str, *, args: tuple[Any, ...], result: Literal["value", "row", "rows"]
     ) -> Any:
         """`_query`'s one try (call with `_io` held)."""
-        self.statements += 1
+        self._sent += 1
         conn = await self._connection()
         fetch = {"value": conn.fetchval, "row": conn.fetchrow, "rows": conn.fetch}[result]
         try:
-            return await _answered_within(fetch(sql, *args), timeout_s=self._statement_timeout_s)
+            return await answered_within(fetch(sql, *args), timeout_s=self._statement_timeout_s)
         except (*PG_CONNECTION_ERRORS, TimeoutError) as exc:
             # Unanswered, it would hold `_io`, and with it the heartbeat that would have
             # noticed: every request of the process would wait on the connection forever.
@@ -473,18 +388,7 @@ class PostgresOwnership(Ownership):
 
     async def _holder(self, key: int) -> tuple[int, float] | None:
         """The pid holding `key` and how long its connection has been idle, if anyone does."""
-        hi, lo = key_parts(key)
-        row = await self._query(
-            f"""
-            SELECT l.pid, extract(epoch FROM clock_timestamp() - a.state_change) AS idle_s
-            FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-            WHERE {SESSION_LOCK_HELD}
-              AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
-            """,
-            hi,
-            lo,
-            result="row",
-        )
+        row = await self._query(HOLDER_SQL, *key_parts(key), result="row")
         if row is None:
             return None
         return int(row["pid"]), float(row["idle_s"] or 0.0)

@@ -5,80 +5,19 @@ The hot path, the runner's per-step writes, is not here but in app/db/journal/.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-from sqlalchemy import ColumnElement, Select, Text, cast, delete, func, select, text
+from sqlalchemy import Select, bindparam, delete, func, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import QueryableAttribute
 
 from app.db import models
+from app.db.pages import Paged, page_statement, read_page, stored_bytes
 from app.domain import Message, Role, RunStatus, ToolCall
 from app.errors import SessionConflict
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Paged(Generic[T]):
-    """The rows of one page of a list, and whether more rows follow them."""
-
-    rows: Sequence[T]
-    more: bool
-
-
-def page_length(sizes: Sequence[int], *, limit: int, budget: int) -> Paged[int]:
-    """How many of the rows of these sizes (read `limit + 1`, in the list's order) a page
-    holds, as `rows` (their sizes), and whether more follow: at most `limit` rows, and none
-    that would take their sum past `budget`, but for the first."""
-    total = 0
-    for index, size in enumerate(sizes[:limit]):
-        total += size
-        if index and total > budget:
-            return Paged(sizes[:index], more=True)
-    return Paged(sizes[:limit], more=len(sizes) > limit)
-
-
-Column = ColumnElement[Any] | QueryableAttribute[Any]
-
-
-def chars(*columns: Column) -> ColumnElement[int]:
-    """The characters the values of these text or JSON columns hold (a NULL none)."""
-    lengths: list[ColumnElement[int]] = [
-        func.coalesce(func.length(cast(c, Text)), 0) for c in columns
-    ]
-    total = lengths[0]
-    for length in lengths[1:]:
-        total = total + length
-    return total
-
-
-async def read_page(
-    session: AsyncSession,
-    *,
-    query: Select[T],
-    limit: int,
-    budget: int,
-    size: ColumnElement[int],
-    keys: Sequence[Column],
-    through: Callable[[Sequence[Any]], ColumnElement[bool]],
-) -> Paged[T]:
-    """One page of the ORM rows `query` selects in its order: at most `limit` rows, whose
-    text (`size`, in characters) passes `budget` only if the page is one row.
-
-    First the rows' `keys` and `size` are read, `limit + 1` of them, which tells how many
-    rows the page holds; then the rows themselves, up to and including the last one it
-    holds (`through` its keys). No row past the page is read whole."""
-    sized = (await session.execute(query.with_only_columns(*keys, size).limit(limit + 1))).all()
-    page = page_length([row[-1] for row in sized], limit=limit, budget=budget)
-    if not page.rows:
-        return Paged([], more=False)
-    last = tuple(sized[len(page.rows) - 1])
-    rows = (await session.scalars(query.where(through(last)).limit(len(page.rows)))).all()
-    return Paged(rows, more=page.more)
 
 
 def message_to_row(message: Message, *, now: datetime) -> dict[str, Any]:
@@ -133,34 +72,44 @@ class SessionRepository:
         budget: int,
     ) -> Paged[models.Session]:
         """Sessions, most recently updated first, keyset-paginated on (updated_at, id)."""
-        query = select(models.Session).where(
-            models.Session.tenant_id.is_(None)
-            if tenant_id is None
-            else models.Session.tenant_id == tenant_id
-        )
-        if agent is not None:
-            query = query.where(models.Session.agent == agent)
-        if user_id is not None:
-            query = query.where(models.Session.user_id == user_id)
+        params: dict[str, Any] = {"tenant_id": tenant_id, "agent": agent, "user_id": user_id}
         if after is not None:
-            updated_at, session_id = after
-            query = query.where(
-                (models.Session.updated_at < updated_at)
-                | ((models.Session.updated_at == updated_at) & (models.Session.id < session_id))
-            )
-        session = models.Session
-        return await read_page(
-            self._s,
-            query=query.order_by(session.updated_at.desc(), session.id.desc()),
-            limit=limit,
-            budget=budget,
-            size=chars(session.metadata_),
-            keys=(session.updated_at, session.id),
-            through=lambda last: (
-                (session.updated_at > last[0])
-                | ((session.updated_at == last[0]) & (session.id >= last[1]))
-            ),
+            params["after_at"], params["after_id"] = after
+        statement = _sessions_page(
+            tenant=tenant_id is not None,
+            agent=agent is not None,
+            user=user_id is not None,
+            after=after is not None,
         )
+        return await read_page(
+            self._s, statement=statement, params=params, limit=limit, budget=budget
+        )
+
+
+@functools.cache
+def _sessions_page(*, tenant: bool, agent: bool, user: bool, after: bool) -> Select[Any]:
+    """The page statement of sessions filtered so (`SessionRepository.list`'s parameters)."""
+    session = models.Session
+    query = select(session).where(
+        session.tenant_id == bindparam("tenant_id") if tenant else session.tenant_id.is_(None)
+    )
+    if agent:
+        query = query.where(session.agent == bindparam("agent"))
+    if user:
+        query = query.where(session.user_id == bindparam("user_id"))
+    if after:
+        at = bindparam("after_at", type_=session.updated_at.type)
+        query = query.where(
+            (session.updated_at < at)
+            | ((session.updated_at == at) & (session.id < bindparam("after_id")))
+        )
+    return page_statement(
+        query,
+        entity=session,
+        keys=(session.updated_at, session.id),
+        descending=True,
+        size=stored_bytes(session.metadata_),
+    )
 
 
 class MessageRepository:
@@ -230,18 +179,9 @@ class MessageRepository:
         self, session_key: int, *, after_seq: int | None, limit: int, budget: int
     ) -> Paged[models.Message]:
         """One page of the history, in order."""
-        message = models.Message
-        query = select(message).where(message.session_key == session_key)
-        if after_seq is not None:
-            query = query.where(message.seq > after_seq)
+        params = {"session_key": session_key, "after_seq": after_seq or 0}  # seqs start at 1
         return await read_page(
-            self._s,
-            query=query.order_by(message.seq),
-            limit=limit,
-            budget=budget,
-            size=chars(message.content, message.tool_calls),
-            keys=(message.seq,),
-            through=lambda last: message.seq <= last[0],
+            self._s, statement=_history_page(), params=params, limit=limit, budget=budget
         )
 
     async def for_run(self, session_key: int, *, run_id: str) -> Sequence[models.Message]:
@@ -254,6 +194,22 @@ class MessageRepository:
                 .order_by(models.Message.seq)
             )
         ).all()
+
+
+@functools.cache
+def _history_page() -> Select[Any]:
+    """The page statement of a session's history (`MessageRepository.page`)."""
+    message = models.Message
+    return page_statement(
+        select(message).where(
+            message.session_key == bindparam("session_key"),
+            message.seq > bindparam("after_seq"),
+        ),
+        entity=message,
+        keys=(message.seq,),
+        descending=False,
+        size=stored_bytes(message.content, message.tool_calls),
+    )
 
 
 class RunRepository:
@@ -301,25 +257,35 @@ class RunRepository:
         self, session_id: str, *, after: tuple[datetime, str] | None, limit: int, budget: int
     ) -> Paged[models.Run]:
         """The session's runs, newest first, keyset-paginated on (created_at, id)."""
-        query = select(models.Run).where(models.Run.session_id == session_id)
+        params: dict[str, Any] = {"session_id": session_id}
         if after is not None:
-            created_at, run_id = after
-            query = query.where(
-                (models.Run.created_at < created_at)
-                | ((models.Run.created_at == created_at) & (models.Run.id < run_id))
-            )
-        run = models.Run
+            params["after_at"], params["after_id"] = after
         return await read_page(
             self._s,
-            query=query.order_by(run.created_at.desc(), run.id.desc()),
+            statement=_runs_page(after=after is not None),
+            params=params,
             limit=limit,
             budget=budget,
-            size=chars(run.metadata_, run.response, run.error_message),
-            keys=(run.created_at, run.id),
-            through=lambda last: (
-                (run.created_at > last[0]) | ((run.created_at == last[0]) & (run.id >= last[1]))
-            ),
         )
+
+
+@functools.cache
+def _runs_page(*, after: bool) -> Select[Any]:
+    """The page statement of a session's runs (`RunRepository.list_for_session`)."""
+    run = models.Run
+    query = select(run).where(run.session_id == bindparam("session_id"))
+    if after:
+        at = bindparam("after_at", type_=run.created_at.type)
+        query = query.where(
+            (run.created_at < at) | ((run.created_at == at) & (run.id < bindparam("after_id")))
+        )
+    return page_statement(
+        query,
+        entity=run,
+        keys=(run.created_at, run.id),
+        descending=True,
+        size=stored_bytes(run.metadata_, run.response, run.error_message),
+    )
 
 
 def delete_session(

@@ -19,9 +19,9 @@ R = TypeVar("R")
 MAX_PAGE = 200
 DEFAULT_PAGE = 50
 # A page ends early, `next_after` set, where its next row would take the text of its rows
-# past this many characters; its first row it always holds. Pages of 200 rows of a
-# megabyte each took a server hundreds of megabytes per request to answer.
-PAGE_MAX_CHARS = 4 * 1024 * 1024
+# past this many bytes (UTF-8, JSON as stored); its first row it always holds. Pages of 200
+# rows of a megabyte each took a server hundreds of megabytes per request to answer.
+PAGE_MAX_BYTES = 4 * 1024 * 1024
 
 
 class ProblemError(BaseModel):
@@ -76,8 +76,8 @@ class Page(BaseModel, Generic[T]):
         description=(
             "Null on the last page. A page may hold fewer rows than `limit` and not be the"
             " last: a history, sessions or runs page ends before a row that would take the"
-            f" text of its rows past {PAGE_MAX_CHARS:,} characters (its first row it always"
-            " holds)."
+            f" text of its rows past {PAGE_MAX_BYTES:,} bytes (UTF-8, JSON as stored; its"
+            " first row it always holds)."
         )
     )
 

@@ -13,9 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from app.db import models
 from app.db.base import utcnow
 from app.db.outages import read_again_if_disconnected
+from app.db.pages import Paged
 from app.db.repositories import (
     MessageRepository,
-    Paged,
     RunRepository,
     SessionRepository,
     delete_session,
@@ -26,7 +26,7 @@ from app.domain import SessionStatus, orphaned_calls
 from app.errors import SessionBusy, SessionNotFound
 from app.metrics import Metrics
 from app.schemas.common import (
-    PAGE_MAX_CHARS,
+    PAGE_MAX_BYTES,
     Page,
     decode_cursor,
     decode_seq,
@@ -84,7 +84,7 @@ class SessionService:
                 user_id=user_id,
                 after=decode_cursor(after, listing=SESSIONS_LIST) if after else None,
                 limit=limit,
-                budget=PAGE_MAX_CHARS,
+                budget=PAGE_MAX_BYTES,
             )
             rows = listed.rows
             waiting = await self._waiting(session, rows=rows)
@@ -119,7 +119,7 @@ class SessionService:
                 session, session_id=session_id, tenant_id=tenant_id, user_id=user_id
             )
             page = await MessageRepository(session).page(
-                row.key, after_seq=after_seq, limit=limit, budget=PAGE_MAX_CHARS
+                row.key, after_seq=after_seq, limit=limit, budget=PAGE_MAX_BYTES
             )
         data = [MessageRead.of(row_to_message(r)) for r in page.rows]
         return Page(
@@ -149,7 +149,7 @@ class SessionService:
                     session_id,
                     after=decode_cursor(after, listing=runs_list) if after else None,
                     limit=limit,
-                    budget=PAGE_MAX_CHARS,
+                    budget=PAGE_MAX_BYTES,
                 )
 
         page, ownerless = await read_runs_owned(

@@ -1,4 +1,5 @@
-"""Lists of large rows: a page ends early, `next_after` set, where its text passes the budget."""
+"""Lists of large rows through the API: a page ends early, `next_after` set, where its text
+would pass PAGE_MAX_BYTES (the rule's edges: tests/integration/test_pages.py)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,24 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 
-from app.db.repositories import page_length
-from app.schemas.common import PAGE_MAX_CHARS
+from app.schemas.common import PAGE_MAX_BYTES
 from tests.api.helpers import get_ok, run
 
 Json = dict[str, Any]
 
-# Each large row holds about this much text: four fit a page, a fifth does not.
+# Each large row holds about this many bytes of text: four fit a page, a fifth does not.
 LARGE = 900_000
 
 
-def _message_chars(message: Json) -> int:
+def _message_bytes(message: Json) -> int:
+    """The bytes of a message's stored text (its calls' JSON as the store keeps it)."""
     calls = message["tool_calls"]
-    return len(message["content"]) + (len(json.dumps(calls)) if calls else 0)
+    return len(message["content"].encode()) + (len(json.dumps(calls)) if calls else 0)
 
 
-def _metadata_chars(row: Json) -> int:
+def _metadata_bytes(row: Json) -> int:
+    """The bytes of a row's metadata as the store keeps it (JSON, non-ASCII escaped)."""
     return len(json.dumps(row["metadata"]))
 
 
@@ -32,7 +33,7 @@ async def _walk(
     client: httpx.AsyncClient, url: str, *, limit: int, size: Callable[[Json], int]
 ) -> list[list[Json]]:
     """Every page of a list, checking that each page is as full as its budget lets it be:
-    `limit` rows, or as many as fit PAGE_MAX_CHARS (at least one), the next row not."""
+    `limit` rows, or as many as fit PAGE_MAX_BYTES (at least one), the next row not."""
     pages: list[list[Json]] = []
     after: str | None = None
     while True:
@@ -41,9 +42,9 @@ async def _walk(
         rows = page["data"]
         assert rows or not pages, "only the first page of an empty list is empty"
         assert len(rows) <= limit
-        assert len(rows) == 1 or sum(size(r) for r in rows) <= PAGE_MAX_CHARS
+        assert len(rows) == 1 or sum(size(r) for r in rows) <= PAGE_MAX_BYTES
         if pages and len(pages[-1]) < limit:  # the page before ended early: this row did not fit
-            assert sum(size(r) for r in pages[-1]) + size(rows[0]) > PAGE_MAX_CHARS
+            assert sum(size(r) for r in pages[-1]) + size(rows[0]) > PAGE_MAX_BYTES
         pages.append(rows)
         after = page["next_after"]
         if after is None:
@@ -56,7 +57,7 @@ async def test_history_of_large_messages_is_walked_in_pages_that_fit(
     for n in range(3):
         await run(client, "echo", f"turn {n} " + "m" * LARGE, session_id="large")
 
-    pages = await _walk(client, "/v1/sessions/large/messages", limit=50, size=_message_chars)
+    pages = await _walk(client, "/v1/sessions/large/messages", limit=50, size=_message_bytes)
 
     assert [len(p) for p in pages] == [4, 2]  # user, echo, user, echo | user, echo
     walked = [m for page in pages for m in page]
@@ -72,8 +73,8 @@ async def test_sessions_and_runs_with_large_metadata_are_walked_in_pages_that_fi
         await run(client, "echo", f"hi {n}", session_id=f"meta-{n}", metadata={"pad": "s" * LARGE})
         await run(client, "echo", f"again {n}", session_id="runs", metadata={"pad": "r" * LARGE})
 
-    sessions = await _walk(client, "/v1/sessions", limit=200, size=_metadata_chars)
-    runs = await _walk(client, "/v1/sessions/runs/runs", limit=200, size=_metadata_chars)
+    sessions = await _walk(client, "/v1/sessions", limit=200, size=_metadata_bytes)
+    runs = await _walk(client, "/v1/sessions/runs/runs", limit=200, size=_metadata_bytes)
 
     # Seven sessions: "runs" (its first turn's metadata was kept on it too), updated last.
     assert [len(p) for p in sessions] == [4, 3]
@@ -90,26 +91,6 @@ async def test_the_limit_ends_a_page_of_large_rows_that_fit(client: httpx.AsyncC
     for n in range(2):
         await run(client, "echo", f"turn {n} " + "m" * LARGE, session_id="three")
 
-    pages = await _walk(client, "/v1/sessions/three/messages", limit=3, size=_message_chars)
+    pages = await _walk(client, "/v1/sessions/three/messages", limit=3, size=_message_bytes)
 
     assert [len(p) for p in pages] == [3, 1]
-
-
-@pytest.mark.parametrize(
-    ("sizes", "limit", "budget", "rows", "more"),
-    [
-        ([], 5, 10, [], False),
-        ([3, 3, 3], 5, 10, [3, 3, 3], False),
-        ([3, 3, 3, 3], 3, 10, [3, 3, 3], True),  # read limit + 1: more follow
-        ([4, 4, 4], 5, 10, [4, 4], True),  # the third would pass the budget
-        ([5, 5], 5, 10, [5, 5], False),  # exactly the budget fits
-        ([25, 1], 5, 10, [25], True),  # a first row larger than the budget is a page
-        ([1, 25], 5, 10, [1], True),
-    ],
-)
-def test_page_length(
-    sizes: list[int], limit: int, budget: int, rows: list[int], more: bool
-) -> None:
-    page = page_length(sizes, limit=limit, budget=budget)
-    assert list(page.rows) == rows
-    assert page.more is more

@@ -51,7 +51,12 @@ from app.services.pg_locks import (
     lock_key,
     new_token,
 )
-from app.services.pg_questions import HoldQuestions, answered_within, once_more_if_ended
+from app.services.pg_questions import (
+    HoldQuestions,
+    answered_within,
+    close_within,
+    once_more_if_ended,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +117,7 @@ class PostgresOwnership(Ownership):
         await self._questions.stop()
         async with self._io:
             if self._conn is not None:
-                try:
-                    await self._conn.close(timeout=self._statement_timeout_s)
-                except Exception:
-                    self._conn.terminate()
+                await close_within(self._conn, timeout_s=self._statement_timeout_s)
 
     @property
     @override

@@ -28,6 +28,15 @@ T = TypeVar("T")
 LAST_LOOK_S = 0.5
 
 
+async def close_within(conn: asyncpg.Connection, *, timeout_s: float) -> None:
+    """Close the connection within a statement's deadline: one whose server no longer
+    answers is dropped, not waited for."""
+    try:
+        await conn.close(timeout=timeout_s)
+    except Exception:
+        conn.terminate()
+
+
 async def answered_within(statement: Awaitable[T], *, timeout_s: float) -> T:
     """The statement's result, or TimeoutError if it has none `timeout_s` after it was asked for.
 
@@ -99,10 +108,7 @@ class HoldQuestions:
         self._stopped = True
         async with self._io:
             if self._conn is not None:
-                try:
-                    await self._conn.close(timeout=self._timeout_s)
-                except Exception:
-                    self._conn.terminate()
+                await close_within(self._conn, timeout_s=self._timeout_s)
 
     async def _ask(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         """A question's rows. A connection that fails is closed and, unless it did not answer

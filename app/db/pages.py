@@ -4,8 +4,10 @@ A page is read in ONE statement, so that it is one snapshot on either store (Pos
 in autocommit, each statement its own): the list's first `limit + 1` rows are read as their
 keys and the bytes of their text, numbered and summed in the list's order by window
 functions, and joined back to their whole rows only where the page holds them. A row past
-the page is never read whole. Sizing a text value reads only its length (on PostgreSQL,
-`octet_length` reads a stored value's header); a JSON value is read to be sized.
+the page is never sent whole. Sizing a text value reads only its length (on PostgreSQL,
+`octet_length` reads a stored value's header). A JSON value the server reads whole to size
+it, on PostgreSQL too (json has no cast to text but through its text form): at most
+`limit + 1` values per page, on the database's side.
 """
 
 from __future__ import annotations

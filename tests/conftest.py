@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -169,6 +170,15 @@ def _demo_outbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # Fixtures only a PostgreSQL test asks for (directly or through another fixture).
 PG_FIXTURES = {"pg_template", "pg_admin", "another_pg_database_url"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal gives it: a suite started as a background job (`make test &`, a
+    runner's `nohup ... &`) inherits SIGINT ignored, and would pass that on to every command
+    and server under test, whose tests of SIGINT then fail. Handled here, it is the default
+    again in each child: at exec, and in the forkserver's forks (tests/support/forked.py)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

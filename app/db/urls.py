@@ -73,6 +73,8 @@ def check_database_url(database_url: str) -> str:
                 "a SQLite URL names a file and nothing else (sqlite:///path.db);"
                 f" {MEMORY_URL} is the store that keeps nothing"
             )
+        if url.database.startswith("~"):  # the shell's, not a path: a folder named ~ here
+            raise ConfigError("a SQLite path is not expanded: write the home folder for ~")
     elif backend in ("postgresql", "postgres"):
         if url.host is not None and "@" in url.host:
             raise ConfigError("write an @ in its user name or password as %40")

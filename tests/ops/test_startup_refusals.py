@@ -219,6 +219,7 @@ def test_a_copy_without_its_migrations_is_refused_in_one_line(tmp_path: Path) ->
         ("garbage", "not a database URL"),
         ("postgresql://u:pw@h:abc/db", "not a database URL"),
         ("sqlite:///:memory:", "a SQLite URL names a file"),
+        ("sqlite:///~/agent.db", "a SQLite path is not expanded"),
         ("postgresql://u:secret-1@secret-2@h/db", "write an @ in its user name or password"),
     ],
 )

@@ -120,6 +120,7 @@ async def test_connect_timeout_is_how_long_a_connection_may_take() -> None:
         ("sqlite://", "a SQLite URL names a file"),
         ("sqlite:///:memory:", "a SQLite URL names a file"),
         ("sqlite:///x.db?uri=true", "a SQLite URL names a file"),
+        ("sqlite:///~/x.db", "a SQLite path is not expanded: write the home folder for ~"),
         ("postgresql://u:pw@h:abc/db", "not a database URL"),
         ("postgresql://u:pw@h:99999/db", "port 99999 is not a TCP port"),
         ("postgresql://u@h1:5432,h2:5433/db", "for several hosts write ?host=a,b&port=p1,p2"),

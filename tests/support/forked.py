@@ -46,7 +46,8 @@ def _serve(
     """In the fork: become `agent-runner <argv>` run with exactly `env` in `cwd`, its
     standard output to `log_path`, its errors to `errors_path`, its input from `stdin_path`."""
     # SIGHUP's default action, as a command started from a terminal has: a suite run under
-    # nohup would pass its ignoring on through the forkserver to every server.
+    # nohup would pass its ignoring on through the forkserver to every server. (Reset here,
+    # not in pytest, which nohup means to keep alive; SIGINT is reset in tests/conftest.py.)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)

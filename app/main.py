@@ -23,7 +23,7 @@ from app.failpoints import Failpoints
 from app.lifecycle import Lifecycle
 from app.llm.base import LLMClient
 from app.llm.router import ModelRouter
-from app.llm.scripted import unknown_script
+from app.llm.scripted import is_scripted, unknown_script
 from app.logs import AccessLog
 from app.metrics import Metrics
 from app.services.health import HealthService
@@ -105,7 +105,9 @@ async def open_services(
         metrics.pool.watch(lambda: db.read_engine.pool)
         resources.push_async_callback(registry.aclose)
         model = llm or ModelRouter.from_settings(
-            max_retries=settings.anthropic_max_retries, timeout_s=settings.anthropic_timeout_s
+            max_retries=settings.anthropic_max_retries,
+            timeout_s=settings.anthropic_timeout_s,
+            api_models=not all(is_scripted(a.model) for a in registry.agents.values()),
         )
         resources.push_async_callback(model.aclose)
         ownership = build_ownership(db, settings=settings)

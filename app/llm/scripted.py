@@ -26,9 +26,14 @@ def register_script(name: str, *, fn: Script) -> None:
     _SCRIPTS[name] = fn
 
 
+def is_scripted(model: str) -> bool:
+    """Whether the model is an offline script's (`scripted:<name>`), not the API's."""
+    return model.startswith(PREFIX)
+
+
 def unknown_script(model: str) -> str | None:
     """Why a `scripted:` model has no built-in script (None when it has, or is not scripted)."""
-    if not model.startswith(PREFIX) or model.removeprefix(PREFIX) in _SCRIPTS:
+    if not is_scripted(model) or model.removeprefix(PREFIX) in _SCRIPTS:
         return None
     return _unknown(model, scripts=_SCRIPTS)
 
@@ -49,7 +54,7 @@ class ScriptedLLMClient(LLMClient):
         """Answer with the named script; unknown names are an invalid_request_error."""
         name = request.model.removeprefix(PREFIX)
         scripts = _SCRIPTS if self._scripts is None else self._scripts
-        script = scripts.get(name) if request.model.startswith(PREFIX) else None
+        script = scripts.get(name) if is_scripted(request.model) else None
         if script is None:
             raise LLMError(_unknown(request.model, scripts=scripts), type="invalid_request_error")
         response = script(request)

@@ -36,21 +36,52 @@ def message_to_row(message: Message, *, now: datetime) -> dict[str, Any]:
     }
 
 
+# The columns a domain message is made of, in the order of `_message`'s parameters.
+_MESSAGE_FIELDS = tuple(
+    getattr(models.Message, name)
+    for name in (
+        "role",
+        "content",
+        "tool_calls",
+        "tool_call_id",
+        "tool_name",
+        "is_error",
+        "seq",
+        "run_id",
+        "created_at",
+    )
+)
+
+
+def _message(  # noqa: PLR0917  # a row's columns, in `_MESSAGE_FIELDS` order
+    role: str,
+    content: str,
+    tool_calls: list[dict[str, Any]] | None,
+    tool_call_id: str | None,
+    tool_name: str | None,
+    is_error: bool,
+    seq: int,
+    run_id: str | None,
+    created_at: datetime,
+) -> Message:
+    return Message(
+        role=Role(role),
+        content=content,
+        tool_calls=[
+            ToolCall(c["id"], c["name"], c.get("arguments") or {}) for c in tool_calls or []
+        ],
+        tool_call_id=tool_call_id,
+        tool_name=tool_name,
+        is_error=is_error,
+        seq=seq,
+        run_id=run_id,
+        created_at=created_at,
+    )
+
+
 def row_to_message(row: models.Message) -> Message:
     """The domain message of a stored row."""
-    return Message(
-        role=Role(row.role),
-        content=row.content,
-        tool_calls=[
-            ToolCall(c["id"], c["name"], c.get("arguments") or {}) for c in row.tool_calls or []
-        ],
-        tool_call_id=row.tool_call_id,
-        tool_name=row.tool_name,
-        is_error=row.is_error,
-        seq=row.seq,
-        run_id=row.run_id,
-        created_at=row.created_at,
-    )
+    return _message(*(getattr(row, column.key) for column in _MESSAGE_FIELDS))
 
 
 class SessionRepository:
@@ -119,13 +150,15 @@ class MessageRepository:
         self._s = session
 
     async def history(self, session_key: int) -> list[Message]:
-        """The whole history in `seq` order."""
-        rows = await self._s.scalars(
-            select(models.Message)
+        """The whole history in `seq` order. Read as columns, not as ORM rows: a turn reads
+        it before its first step, on the event loop's thread, and ORM rows took twice as long
+        (200 ms for 5,000 messages)."""
+        rows = await self._s.execute(
+            select(*_MESSAGE_FIELDS)
             .where(models.Message.session_key == session_key)
             .order_by(models.Message.seq)
         )
-        return [row_to_message(r) for r in rows]
+        return [_message(*row) for row in rows]
 
     async def overtaken(self, session_key: int, *, run_id: str) -> bool:
         """Whether another run stored a message after this run's first one."""

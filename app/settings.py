@@ -5,17 +5,34 @@ hands its environment on to the server it starts)."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from dotenv import load_dotenv
 from dotenv.parser import parse_stream
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.db.urls import check_database_url
 from app.errors import ConfigError
 from app.tools.base import DEFAULT_MAX_RESULT_BYTES
+
+
+def _a_number(value: object) -> object:
+    """NaN parses as a float, and would then be refused as out of range ("greater than 0"):
+    refuse it as what it is. (inf is taken: no bound.)"""
+    try:
+        nan = math.isnan(float(value))  # type: ignore[arg-type]  # whatever was set
+    except (TypeError, ValueError):
+        return value  # refused by the float validator, in its words
+    if nan:
+        raise ValueError("Input should be a number, not NaN")
+    return value
+
+
+# A time in seconds: a float, not NaN.
+Seconds = Annotated[float, BeforeValidator(_a_number)]
 
 
 class Settings(BaseSettings):
@@ -31,20 +48,20 @@ class Settings(BaseSettings):
     failpoints: str | None = None
 
     anthropic_max_retries: int = Field(default=2, ge=0, le=10)
-    anthropic_timeout_s: float = Field(default=600.0, gt=0)
+    anthropic_timeout_s: Seconds = Field(default=600.0, gt=0)
     database_pool_size: int = Field(default=20, ge=1)
     # PostgreSQL session ownership: the lock connection's heartbeat, and how long a holder may
     # miss it before another runner takes its sessions over (services/pg_ownership.py).
-    session_heartbeat_s: float = Field(default=0.5, gt=0)
-    session_takeover_after_s: float = Field(default=3.0, gt=0)
+    session_heartbeat_s: Seconds = Field(default=0.5, gt=0)
+    session_takeover_after_s: Seconds = Field(default=3.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     log_format: Literal["json", "text"] = "json"
     # On SIGTERM: stop taking runs, give runs in progress this long to finish, then stop them
     # (a tool-call step in flight finishes first) and exit.
-    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    shutdown_grace_s: Seconds = Field(default=30.0, ge=0)
     # How long `serve` waits for a request's head, from a connection's opening or its last
     # answer, before it closes the connection (app/request_head.py).
-    request_head_timeout_s: float = Field(default=30.0, gt=0)
+    request_head_timeout_s: Seconds = Field(default=30.0, gt=0)
     # A tool result longer than this (bytes of its JSON text) is kept truncated.
     tool_result_max_bytes: int = Field(default=DEFAULT_MAX_RESULT_BYTES, ge=1024)
 

@@ -100,6 +100,16 @@ def test_values_of_the_wrong_type_are_named_one_line_each(tmp_path: Path) -> Non
     assert "; TOOL_RESULT_MAX_BYTES: Input should be greater than or equal to 1024" in logs
 
 
+def test_a_time_of_nan_is_refused_as_not_a_number(tmp_path: Path) -> None:
+    # It was refused as "Input should be greater than 0", which NaN may well look to be.
+    env = {"ANTHROPIC_TIMEOUT_S": "nan", "SHUTDOWN_GRACE_S": "NaN"}
+    logs = refusal(tmp_path, f"sqlite:///{tmp_path / 'nan.db'}", env)
+    assert (
+        "invalid environment: ANTHROPIC_TIMEOUT_S: Input should be a number, not NaN;"
+        " SHUTDOWN_GRACE_S: Input should be a number, not NaN"
+    ) in logs, logs
+
+
 def test_a_takeover_time_shorter_than_four_heartbeats_is_refused(tmp_path: Path) -> None:
     # Holders stop their own runs once their heartbeat is half the takeover time old: with
     # fewer beats in that half, live runs would be refused between two beats.

@@ -54,17 +54,35 @@ async def _app_error(_: Request, exc: Exception) -> JSONResponse:
 # Positional: Starlette calls exception handlers so.
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:  # noqa: PLR0917
     assert isinstance(exc, RequestValidationError)
+    found = exc.errors()
     errors = [
-        {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type"))}
-        for e in exc.errors()
+        {"loc": list(e.get("loc", ())), "msg": _message(e), "type": str(e.get("type"))}
+        for e in found
     ]
-    detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+    detail = "; ".join(f"{_place(e)}: {_message(e)}" for e in found)
     content_type = request.headers.get("content-type", "")
     if request.method == "POST" and "json" not in content_type.lower():
         # A body is read as JSON only when it says so (FastAPI's guard against cross-site
         # form posts); tell the client why its object was not seen.
         detail = f"Send the body as JSON with Content-Type: application/json. {detail}"
     return problem_response(ValidationFailed(detail, errors=errors))
+
+
+def _message(error: Any) -> str:
+    """An error's words; of a body that is not JSON, where and why (FastAPI's: "JSON decode
+    error")."""
+    if error.get("type") == "json_invalid":
+        loc, why = error.get("loc", ()), error.get("ctx", {}).get("error", "")
+        where = f" at character {loc[-1]} (counting from 0)" if len(loc) > 1 else ""
+        return f"Not valid JSON{where}: {why}".rstrip(": ")
+    return str(error.get("msg", ""))
+
+
+def _place(error: Any) -> str:
+    """Where an error is, as `detail` names it: `body.9` is a character, not a field."""
+    if error.get("type") == "json_invalid":
+        return "body"
+    return ".".join(map(str, error.get("loc", ())))
 
 
 _HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})

@@ -77,6 +77,16 @@ async def test_malformed_json_bodies(client: httpx.AsyncClient) -> None:
     assert_all(outcomes, 422, "validation_error")
 
 
+async def test_a_body_that_is_not_json_says_where_and_why(client: httpx.AsyncClient) -> None:
+    # It said "body.9: JSON decode error".
+    problem = assert_problem(await post_raw(client, b'{"a": 1, }'), 422, "validation_error")
+    assert problem["detail"] == (
+        "body: Not valid JSON at character 9 (counting from 0):"
+        " Expecting property name enclosed in double quotes"
+    ), problem
+    assert problem["errors"][0]["loc"] == ["body", 9], problem
+
+
 async def test_invalid_fields_are_validation_errors(client: httpx.AsyncClient) -> None:
     outcomes = {
         json.dumps(body): outcome(await client.post("/v1/runs", json=body))

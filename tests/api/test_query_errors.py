@@ -69,6 +69,22 @@ async def test_bad_cursors(client: httpx.AsyncClient) -> None:
     assert_all(outcomes, 422, "validation_error")
 
 
+@pytest.mark.usefixtures("session")
+async def test_every_list_refuses_what_is_not_its_cursor_in_the_same_words(
+    client: httpx.AsyncClient,
+) -> None:
+    # The history's said "String should match pattern '^[0-9]{0,9}$'", and the others did
+    # so of a character no cursor holds.
+    details = {
+        (path, after): (await client.get(path, params={"after": after})).json().get("detail")
+        for path in SESSION_LISTS
+        for after in ("abc", "a.b", "1e3", "-1", "2 ")
+    }
+    assert details == {
+        key: f"'after' is not a cursor this list returned: {key[1]!r}" for key in details
+    }
+
+
 async def test_a_cursor_of_another_list_is_refused(client: httpx.AsyncClient) -> None:
     for session_id in ("s-1", "s-1", "s-2", "s-2"):
         await run(client, "echo", "hi", session_id=session_id)

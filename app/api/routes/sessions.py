@@ -30,17 +30,21 @@ SESSION_PROBLEMS = responses(
 SessionId = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 # A list's own next_after: opaque for sessions and runs, a message's seq for the history.
+# Checked by the list (decode_cursor, decode_seq), not by a pattern here: any value that is
+# not one is refused in the same words.
 After = Annotated[
     str | None,
     Query(
         max_length=512,
-        pattern="^[A-Za-z0-9_-]*$",
         description="Opaque: a next_after this list returned (any other is 422).",
     ),
 ]
 AfterSeq = Annotated[
     str | None,
-    Query(pattern="^[0-9]{0,9}$", description="A next_after of this list: a message's seq."),
+    Query(
+        max_length=512,
+        description="A next_after of this list (a message's seq; any other is 422).",
+    ),
 ]
 
 

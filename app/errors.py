@@ -74,7 +74,9 @@ class SessionAccessDenied(AppError):
     title = "Session access denied"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"Session {session_id!r} belongs to another user_id.")
+        super().__init__(
+            f"Session {session_id!r} serves only requests with the user_id it was created with."
+        )
 
 
 class SessionAgentMismatch(AppError):

@@ -182,7 +182,13 @@ async def test_session_created_with_a_user_serves_only_that_user(
 
     for other in ({"user_id": "mallory"}, {}):
         body = {"agent": "echo", "message": "hi", "session_id": "mine", **other}
-        assert_problem(await client.post("/v1/runs", json=body), 403, "session_access_denied")
+        problem = assert_problem(
+            await client.post("/v1/runs", json=body), 403, "session_access_denied"
+        )
+        # Not "belongs to another user_id", which a request that sent none has not named.
+        assert problem["detail"] == (
+            "Session 'mine' serves only requests with the user_id it was created with."
+        )
 
     assert len(fake_model.requests) == asked
     response = await client.get("/v1/sessions/mine", params={"user_id": "mallory"})

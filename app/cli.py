@@ -19,7 +19,7 @@ import uvicorn
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
-from app.cli_serve import DrainingServer
+from app.cli_serve import DrainingServer, refuse_an_address_in_use
 from app.db.migrate import upgrade
 from app.db.outages import DATABASE_ERRORS, is_outage, unavailable
 from app.db.sqlite_engines import check_sqlite_writable
@@ -110,7 +110,7 @@ def main() -> None:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 def serve(host: str, *, port: int) -> None:
     """Upgrade the schema to the newest migration, then serve."""
-    # Imported here: the app loads the anthropic SDK (~2 s), which `--help` and `migrate`
+    # Imported here: the app takes about a second to import, which `--help` and `migrate`
     # have no use for.
     from app.main import create_app
     from app.request_head import BoundedHeadProtocol
@@ -118,6 +118,7 @@ def serve(host: str, *, port: int) -> None:
     settings = _settings()
     try:
         app = create_app(settings)
+        refuse_an_address_in_use(host, port=port)
         _prepare_database(settings.database_url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc

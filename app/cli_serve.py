@@ -13,9 +13,36 @@ from types import FrameType
 import uvicorn
 from typing_extensions import override
 
+from app.errors import ConfigError
 from app.lifecycle import Lifecycle, cancel_all, from_signal_handler
 
 log = logging.getLogger(__name__)
+
+
+def refuse_an_address_in_use(host: str, *, port: int) -> None:
+    """ConfigError, in one line, if `serve` could not listen on host:port (taken by another
+    process, not an address of this machine, a port below 1024 without the right). uvicorn
+    binds only once the schema is upgraded and the services have started, and then exits 3
+    with a log line. Each address the host names is bound here as asyncio will bind it,
+    then let go."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        addresses = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot serve on {where}: {exc.strerror or exc}") from None
+    except UnicodeError as exc:  # a host name no lookup can take
+        raise ConfigError(f"cannot serve on {where}: {exc}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise ConfigError(f"cannot serve on {where}: {exc.strerror or exc}") from None
 
 
 class DrainingServer(uvicorn.Server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,41 @@ def test_values_of_the_wrong_type_are_named_one_line_each(tmp_path: Path) -> Non
     assert "invalid environment: ANTHROPIC_TIMEOUT_S: Input should be a valid number" in logs
     assert "; LOG_FORMAT: Input should be 'json' or 'text'" in logs, logs
     assert "; TOOL_RESULT_MAX_BYTES: Input should be greater than or equal to 1024" in logs
+
+
+def test_an_address_in_use_is_refused_in_one_line_before_the_schema_is_touched(
+    tmp_path: Path,
+) -> None:
+    # uvicorn binds once the schema is upgraded and the services have started: it logged
+    # the error as JSON and exited 3.
+    database = tmp_path / "port.db"
+    server = ServerProcess(database_url=f"sqlite:///{database}", log_path=tmp_path / "s.log")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", server.port))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="server exited with 1"):
+            server.start(timeout=120)
+    assert server.logs().strip() == (
+        f"Error: cannot serve on 127.0.0.1:{server.port}: Address already in use"
+    )
+    assert not database.exists()
+
+
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line(tmp_path: Path) -> None:
+    env = command_env(database_url=f"sqlite:///{tmp_path / 'host.db'}")
+    # TEST-NET-1 is nobody's; what a resolver says of a name it cannot find varies.
+    for host, why in (("192.0.2.1", "Cannot assign requested address"), ("no.invalid", "")):
+        done = subprocess.run(
+            [*agent_runner_command(), "serve", "--host", host, "--port", str(server_port())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert (done.returncode, done.stdout) == (1, ""), done
+        assert done.stderr.startswith(f"Error: cannot serve on {host}:"), done.stderr
+        assert done.stderr.strip().endswith(why) and "\n" not in done.stderr.strip(), done
 
 
 def test_a_time_of_nan_is_refused_as_not_a_number(tmp_path: Path) -> None:

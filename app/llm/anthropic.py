@@ -92,6 +92,8 @@ class AnthropicLLMClient(LLMClient):
                 api_key=key, base_url=base_url, max_retries=max_retries, timeout=timeout
             )
 
+        # What a failed call adds to its error when the client has no credential to send.
+        self._no_credential = ""
         try:
             sdk = build(api_key)
         except anthropic.CredentialsError as err:
@@ -99,10 +101,16 @@ class AnthropicLLMClient(LLMClient):
             # work); calls to the API then fail with authentication_error.
             log.warning("anthropic credentials unusable: %s", type(err).__name__)
             sdk = build(_PLACEHOLDER_API_KEY)
+            self._no_credential = " (The Anthropic credentials could not be loaded.)"
         if sdk.api_key is None and sdk.auth_token is None and sdk.credentials is None:
             # Without any credential the SDK raises a bare TypeError per call; a placeholder
             # turns that into a regular 401 from the API.
             sdk.api_key = _PLACEHOLDER_API_KEY
+            self._no_credential = " (No Anthropic credential is set: ANTHROPIC_API_KEY.)"
+            log.warning(
+                "no Anthropic credential is set (ANTHROPIC_API_KEY): calls of agents on API"
+                " models will fail"
+            )
         self._client = sdk
         self._timeout_s = timeout_s
         self._timeout = timeout
@@ -128,7 +136,7 @@ class AnthropicLLMClient(LLMClient):
                     timeout=self._timeout,
                 )
         except (anthropic.AnthropicError, TimeoutError) as err:
-            error = _to_llm_error(err, timeout_s=self._timeout_s)
+            error = _to_llm_error(err, timeout_s=self._timeout_s, note=self._no_credential)
             # Type and status only: the error text may quote the request, which holds prompts.
             log.warning(
                 "model call failed",
@@ -296,8 +304,18 @@ def _to_blocks(message: Message) -> tuple[_ApiRole, list[_Block]]:
     return "assistant", blocks
 
 
-def _to_llm_error(err: anthropic.AnthropicError | TimeoutError, *, timeout_s: float) -> LLMError:
-    """Name an SDK failure; `retryable` mirrors the SDK's own retry policy."""
+def _to_llm_error(
+    err: anthropic.AnthropicError | TimeoutError, *, timeout_s: float, note: str = ""
+) -> LLMError:
+    """Name an SDK failure, `note` added to its message; `retryable` mirrors the SDK's own
+    retry policy."""
+    error = _named(err, timeout_s=timeout_s)
+    if note:
+        return LLMError(f"{error}{note}", type=error.type, retryable=error.retryable)
+    return error
+
+
+def _named(err: anthropic.AnthropicError | TimeoutError, *, timeout_s: float) -> LLMError:
     if isinstance(err, anthropic.APITimeoutError | TimeoutError):
         # Also what a 429 asking to wait longer than the bound ends as: say what the bound is.
         return LLMError(

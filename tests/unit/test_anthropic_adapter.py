@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -364,6 +365,29 @@ async def test_without_key_or_url_the_sdk_environment_applies(
     # Construction never fails offline; the placeholder key reaches the API, which decides.
     assert response.text == "echo: offline"
     assert len(fake.requests) == 1
+
+
+async def test_a_failed_call_without_any_credential_says_none_is_set(
+    fake: FakeAnthropic, no_credentials: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Offline, such a call failed as api_connection_error with no word of the key.
+    fake.fail_next(1, 401)
+    with caplog.at_level(logging.WARNING, logger="app.llm.anthropic"):
+        llm = AnthropicLLMClient(max_retries=0, timeout_s=5, base_url=fake.url)
+    assert [r.getMessage() for r in caplog.records] == [
+        "no Anthropic credential is set (ANTHROPIC_API_KEY): calls of agents on API models"
+        " will fail"
+    ]
+    try:
+        with pytest.raises(LLMError) as caught:
+            await llm.complete(request([Message.user("offline")]))
+    finally:
+        await llm.aclose()
+
+    assert caught.value.type == "authentication_error"
+    assert caught.value.message.endswith(" (No Anthropic credential is set: ANTHROPIC_API_KEY.)"), (
+        caught.value.message
+    )
 
 
 async def test_broken_profile_still_constructs(

@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
 from tests.api.helpers import (
     PROBLEM_FIELDS,
@@ -79,12 +80,15 @@ async def test_malformed_json_bodies(client: httpx.AsyncClient) -> None:
 
 async def test_a_body_that_is_not_json_says_where_and_why(client: httpx.AsyncClient) -> None:
     # It said "body.9: JSON decode error".
-    problem = assert_problem(await post_raw(client, b'{"a": 1, }'), 422, "validation_error")
+    body = b'{"a": 1, }'
+    with pytest.raises(json.JSONDecodeError) as parsed:  # its words vary with Python's version
+        json.loads(body)
+    problem = assert_problem(await post_raw(client, body), 422, "validation_error")
+    where, why = parsed.value.pos, parsed.value.msg
     assert problem["detail"] == (
-        "body: Not valid JSON at character 9 (counting from 0):"
-        " Expecting property name enclosed in double quotes"
+        f"body: Not valid JSON at character {where} (counting from 0): {why}"
     ), problem
-    assert problem["errors"][0]["loc"] == ["body", 9], problem
+    assert problem["errors"][0]["loc"] == ["body", where], problem
 
 
 async def test_invalid_fields_are_validation_errors(client: httpx.AsyncClient) -> None:

@@ -26,6 +26,9 @@ _CONTEXT.set_forkserver_preload(
     [
         "app.cli",
         "app.main",
+        # The service imports the SDK on a thread as it starts (app/llm/router.py): a fork
+        # would import it again, 2-3 s of CPU per server.
+        "app.llm.anthropic",
         "asyncpg",
         "aiosqlite",
         "sqlalchemy.dialects.postgresql.asyncpg",
